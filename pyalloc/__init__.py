@@ -1,0 +1,18 @@
+"""pyalloc: PyTorch's CUDA caching allocator for any Python program.
+
+Importing pyalloc loads no CUDA library: the driver is touched only when a "cuda" backend is made.
+"""
+from pyalloc.errors import CudaError, NoCudaDriverError, OutOfMemoryError
+from pyalloc.config import ConfigError, get_allocator_settings, set_allocator_settings
+from pyalloc._core import Buffer, get_memory_metadata, set_memory_metadata
+from pyalloc._sim import SimDevice
+from pyalloc.allocator import CachingAllocator
+from pyalloc.replay import replay
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer", "CachingAllocator", "ConfigError", "CudaError", "NoCudaDriverError",
+    "OutOfMemoryError", "SimDevice", "get_allocator_settings", "get_memory_metadata", "replay",
+    "set_allocator_settings", "set_memory_metadata",
+]

@@ -1,0 +1,47 @@
+# The device interface the core calls. A backend owns where memory, events and streams come from;
+# the core (_core.pyx) makes every decision and calls only these methods.
+#
+# Contract, for every implementation (SimDevice in _sim.pyx, CudaDevice in _cuda.pyx):
+#  * Methods return 0 on success and raise a Python exception on a failure they cannot express
+#    (except -1). Out of memory is not an exception: segment_alloc and vm_map return BACKEND_OOM,
+#    so that the core can run its release-and-retry ladder before it reports OOM itself.
+#  * Addresses, streams, events and graph nodes are opaque integers (uintptr_t handles). Stream 0
+#    is the legacy default stream.
+#  * The core calls a backend with its own lock held. A backend may release the GIL around a
+#    blocking driver call; it must not call back into the allocator.
+from libc.stdint cimport uintptr_t
+from libcpp.vector cimport vector
+
+cdef enum:
+    BACKEND_OK = 0
+    BACKEND_OOM = 1
+
+cdef class Backend:
+    cdef readonly int device          # device ordinal this backend serves
+    cdef readonly str kind            # "sim" or "cuda"
+
+    # Device memory segments (cudaMalloc / cudaFree).
+    cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1
+    cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1
+    cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1
+
+    # Events (created without timing, reused by the core's event pool).
+    cdef int event_create(self, uintptr_t* event) except -1
+    cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1
+    cdef int event_query(self, uintptr_t event) except -1       # 1: completed, 0: pending
+    cdef int event_synchronize(self, uintptr_t event) except -1
+    cdef int event_destroy(self, uintptr_t event) except -1
+    cdef int stream_synchronize(self, uintptr_t stream) except -1
+
+    # Virtual memory, for expandable segments: reserve address space, map/unmap physical pages.
+    cdef int vm_granularity(self, size_t* nbytes) except -1
+    cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1
+    cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes) except -1     # BACKEND_OOM when no memory
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes) except -1
+
+    # Stream capture, for CUDA graphs: returns 1 and fills capture id and terminal nodes (the
+    # nodes new work on the stream will depend on) when the stream is capturing, else 0.
+    cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
+                          vector[uintptr_t]* terminals) except -1
+    cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1

@@ -1,0 +1,1355 @@
+# cython: language_level=3
+"""The caching allocator core: blocks, pools, best fit, split and merge, events, stats, OOM ladder.
+
+Policy summary (PyTorch's native CUDA caching allocator, see shared/reference/pytorch-allocator.md):
+
+* Requests are rounded up to 512 bytes, or to a power-of-two division (roundup_power2_divisions).
+* Rounded sizes up to 1 MiB are served from the small pool, from 2 MiB segments; larger ones from
+  the large pool, from 20 MiB segments below 10 MiB and from segments rounded up to 2 MiB above.
+* A request takes the smallest free block of its own stream that fits, lowest address first; a
+  block never moves between streams. The block is split when the remainder is worth keeping
+  (>= 512 B in the small pool, > 1 MiB in the large pool, never for oversize blocks).
+* Freed blocks merge with free neighbours of the same segment. A block used on other streams
+  (record_stream) returns to its pool only once events recorded on those streams at free complete;
+  those events are polled at the start of the next malloc.
+* When no cached block fits: garbage collection (if configured), a new segment, then releasing
+  oversize cached blocks (if max_split_size is set) and retrying, then releasing every unsplit
+  cached segment and retrying, then OutOfMemoryError.
+
+Locking: every public method takes the allocator's one C-level recursive mutex. The GIL is
+released while waiting for it, so a thread that holds the mutex and has released the GIL inside a
+slow driver call can always finish. Recursive because a Python finalizer (a Buffer collected while
+an exception object is built) may re-enter free() on the same thread.
+"""
+from libc.stdint cimport uintptr_t, int64_t, uint32_t, int32_t, uint64_t
+from libcpp.vector cimport vector
+from libcpp.deque cimport deque
+from libcpp.pair cimport pair
+from libcpp.unordered_map cimport unordered_map
+from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
+from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
+
+from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
+from pyalloc.errors import OutOfMemoryError, format_bytes
+
+cdef extern from "<memory_resource>" namespace "std::pmr" nogil:
+    cdef cppclass memory_resource:
+        pass
+    cdef cppclass unsynchronized_pool_resource(memory_resource):
+        unsynchronized_pool_resource()
+
+cdef extern from "<mutex>" namespace "std" nogil:
+    cdef cppclass recursive_mutex:
+        void lock()
+        bint try_lock()
+        void unlock()
+
+cdef extern from "_types.h" namespace "pyalloc" nogil:
+    cdef cppclass BlockPool
+
+    cdef cppclass Block:
+        uintptr_t stream
+        size_t size
+        uintptr_t ptr
+        size_t requested_size
+        BlockPool* pool
+        Block* prev
+        Block* next
+        bint allocated
+        bint mapped
+        bint expandable
+        int event_count
+        int64_t gc_count_base
+        vector[uintptr_t] stream_uses
+        uint32_t metadata_id
+        uint32_t context_id
+        uint32_t segment_context_id
+        bint is_split()
+
+    cdef cppclass BlockSet:
+        cppclass iterator:
+            Block* operator*()
+            iterator operator++()
+            iterator operator--()
+            bint operator==(iterator)
+            bint operator!=(iterator)
+        iterator begin()
+        iterator end()
+        iterator lower_bound(Block*)
+        iterator find(Block*)
+        size_t erase(Block*)
+        iterator erase(iterator)
+        pair[iterator, bint] insert(Block*)
+        size_t size()
+        bint empty()
+
+    cdef cppclass BlockPool:
+        BlockSet blocks
+        bint is_small
+        int64_t owner_id
+        int64_t get_free_blocks_call_count
+        BlockPool(memory_resource*, bint, int64_t)
+
+    cdef cppclass ActiveMap:
+        cppclass iterator:
+            pair[uintptr_t, Block*]& operator*()
+            iterator operator++()
+            bint operator==(iterator)
+            bint operator!=(iterator)
+        ActiveMap()
+        ActiveMap(memory_resource*)
+        iterator begin()
+        iterator end()
+        iterator find(uintptr_t)
+        size_t erase(uintptr_t)
+        Block*& operator[](uintptr_t)
+        size_t size()
+
+    cdef struct TraceEntry:
+        int32_t action
+        uintptr_t addr
+        size_t size
+        uintptr_t stream
+        int64_t time_us
+        uint32_t metadata_id
+        uint32_t context_id
+
+    cdef cppclass TraceRing:
+        size_t capacity
+        uint64_t total
+        void reset(size_t)
+        void push(const TraceEntry&)
+        const TraceEntry& at(size_t)
+        vector[TraceEntry] entries
+
+    uint32_t current_metadata_id
+
+
+ctypedef pair[uintptr_t, Block*] EventEntry          # (event, block waiting on it)
+ctypedef deque[EventEntry] EventQueue                 # one stream's events, oldest first
+ctypedef unordered_map[uintptr_t, EventQueue] EventQueues
+
+
+# ------------------------------------------------------------------------------------ constants
+
+cdef size_t kMinBlockSize = 512                 # every request is rounded to a multiple of this
+cdef size_t kSmallSize = 1048576                # largest rounded size served by the small pool
+cdef size_t kSmallBuffer = 2097152              # segment size of the small pool
+cdef size_t kMinLargeAlloc = 10485760           # below this, large requests get a kLargeBuffer segment
+cdef size_t kLargeBuffer = 20971520             # segment size for requests in (1 MiB, 10 MiB)
+cdef size_t kRoundLarge = 2097152               # larger segments are rounded up to this
+cdef size_t SIZE_MAX_VALUE = <size_t>-1         # "unlimited" max_split_size
+cdef int kRoundUpPowerOfTwoIntervals = 16       # roundup_power2_divisions buckets: 1 MiB .. 32 GiB+
+cdef long long kMaxRequest = 1LL << 60          # 1 EiB: larger requests fail before any search
+
+MIN_BLOCK_SIZE = kMinBlockSize
+SMALL_SIZE = kSmallSize
+SMALL_BUFFER = kSmallBuffer
+MIN_LARGE_ALLOC = kMinLargeAlloc
+LARGE_BUFFER = kLargeBuffer
+ROUND_LARGE = kRoundLarge
+SIZE_MAX = SIZE_MAX_VALUE
+
+# Statistics, in PyTorch's names and order. Each has an all / small_pool / large_pool slot.
+cdef enum:
+    ST_ALLOCATION = 0
+    ST_SEGMENT
+    ST_ACTIVE
+    ST_INACTIVE_SPLIT
+    ST_ALLOCATED_BYTES
+    ST_RESERVED_BYTES
+    ST_ACTIVE_BYTES
+    ST_INACTIVE_SPLIT_BYTES
+    ST_REQUESTED_BYTES
+    NUM_STATS
+
+STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+              "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+POOL_NAMES = ("all", "small_pool", "large_pool")
+
+# Trace actions, in the order of PyTorch's TraceEntry::Action.
+TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+                 "segment_map", "segment_unmap", "snapshot", "oom")
+cdef enum:
+    TR_ALLOC = 0
+    TR_FREE_REQUESTED
+    TR_FREE_COMPLETED
+    TR_SEGMENT_ALLOC
+    TR_SEGMENT_FREE
+    TR_SEGMENT_MAP
+    TR_SEGMENT_UNMAP
+    TR_SNAPSHOT
+    TR_OOM
+
+
+cdef struct Stat:
+    int64_t current
+    int64_t peak
+    int64_t allocated      # cumulative increase
+    int64_t freed          # cumulative decrease
+
+
+cdef inline void stat_add(Stat* s, int64_t delta) noexcept nogil:
+    s.current += delta
+    if s.current > s.peak:
+        s.peak = s.current
+    if delta > 0:
+        s.allocated += delta
+    else:
+        s.freed -= delta
+
+
+cdef inline int floor_log2(size_t x) noexcept nogil:
+    return 63 - __builtin_clzll(x)
+
+cdef extern from *:
+    int __builtin_clzll(unsigned long long) nogil
+
+
+cdef inline size_t roundup_power2_next_division(size_t size, size_t divisions) noexcept nogil:
+    """Round `size` up to the next of `divisions` equal steps between two powers of two."""
+    if (size & (size - 1)) == 0:
+        return size
+    cdef size_t power2_floor = (<size_t>1) << floor_log2(size)
+    cdef size_t step = power2_floor >> floor_log2(divisions)
+    if step == 0:
+        return power2_floor << 1
+    cdef size_t floor_to_step = size & ~(step - 1)
+    return size if floor_to_step == size else floor_to_step + step
+
+
+cdef inline size_t segment_size_for(size_t rounded) noexcept nogil:
+    """Bytes of the segment a new allocation of `rounded` bytes gets."""
+    if rounded <= kSmallSize:
+        return kSmallBuffer
+    if rounded < kMinLargeAlloc:
+        return kLargeBuffer
+    return kRoundLarge * ((rounded + kRoundLarge - 1) // kRoundLarge)
+
+
+cdef inline int64_t now_us() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return <int64_t>ts.tv_sec * 1000000 + ts.tv_nsec // 1000
+
+
+# ------------------------------------------------------------------------------- input checks
+
+cdef uintptr_t stream_handle(object stream) except? 0:
+    """The integer handle of a stream given as an int or a stream object.
+
+    Accepts ints (0 is the default stream), objects with `__cuda_stream__` (cuda.core's protocol,
+    returning (version, handle)), `.cuda_stream` (PyTorch) or `.ptr` (CuPy).
+    """
+    if type(stream) is int:
+        if stream < 0:
+            raise ValueError(f"stream handle must be >= 0, got {stream}")
+        return <uintptr_t>stream
+    if stream is None:
+        return 0
+    handle = None
+    if hasattr(stream, "__cuda_stream__"):
+        proto = stream.__cuda_stream__()
+        if isinstance(proto, tuple) and len(proto) == 2:
+            handle = proto[1]
+    elif hasattr(stream, "cuda_stream"):
+        handle = stream.cuda_stream
+    elif hasattr(stream, "ptr") and not isinstance(stream, (bool, float)):
+        handle = stream.ptr
+    elif isinstance(stream, int) and not isinstance(stream, bool):
+        handle = int(stream)
+    if type(handle) is not int or handle < 0:
+        raise TypeError(
+            f"expected a stream (an int handle >= 0, or an object with __cuda_stream__, .cuda_stream "
+            f"or .ptr), got {stream!r}")
+    return <uintptr_t>handle
+
+
+cdef size_t request_size(object nbytes) except? 0:
+    """Validate a requested size in bytes: an int in [0, 2**60)."""
+    cdef long long value
+    if type(nbytes) is int:
+        try:
+            value = nbytes
+        except OverflowError:
+            value = -1 if nbytes < 0 else kMaxRequest
+    elif isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+        raise TypeError(f"size must be an int number of bytes, got {type(nbytes).__name__} {nbytes!r}")
+    else:
+        return request_size(nbytes.__index__())
+    if value < 0:
+        raise ValueError(f"size must be >= 0 bytes, got {nbytes}")
+    if value >= kMaxRequest:
+        raise OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate more than 1EB memory (requested {nbytes} bytes).",
+            requested=int(nbytes))
+    return <size_t>value
+
+
+# ----------------------------------------------------------------------------- the allocator
+
+cdef class DeviceCachingAllocator:
+    """PyTorch's caching allocator for one device, over a backend. Sizes are bytes.
+
+    Most users construct `pyalloc.CachingAllocator`, which adds configuration, summaries and
+    snapshots on top of this class.
+    """
+
+    cdef recursive_mutex mutex
+    cdef readonly Backend backend
+    cdef unsynchronized_pool_resource* node_resource
+    cdef BlockPool* large_blocks
+    cdef BlockPool* small_blocks
+    cdef ActiveMap* active_blocks
+    cdef vector[Block*] spare_blocks                  # recycled Block objects
+    cdef EventQueues stream_events
+    cdef size_t outstanding_events
+    cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
+
+    # settings (bytes unless noted)
+    cdef size_t max_split_size
+    cdef size_t max_non_split_rounding_size
+    cdef size_t roundup_divisions[16]
+    cdef double gc_threshold                           # fraction of allowed_memory_maximum
+    cdef bint expandable_segments
+    cdef size_t allowed_memory_maximum                 # 0: no per-process limit
+    cdef double memory_fraction
+
+    # statistics
+    cdef Stat stats[9][3]
+    cdef Stat oversize_allocations
+    cdef Stat oversize_segments
+    cdef int64_t num_alloc_retries
+    cdef int64_t num_ooms
+    cdef int64_t num_sync_all_streams
+    cdef int64_t num_device_alloc
+    cdef int64_t num_device_free
+    cdef size_t stat_max_split_size                    # as when constructed, like PyTorch
+    cdef size_t total_allocated_memory                 # bytes in live segments
+
+    # memory history
+    cdef TraceRing* history
+    cdef bint history_on
+    cdef uint32_t skip_actions_mask
+    cdef public bint capture_alloc_stacks              # set by the snapshot layer
+    cdef public object context_recorder                # callable() -> context id, or None
+    cdef public list oom_observers                     # callables(device, alloc_size, total, free)
+
+    # last OOM figures, read after the lock is dropped to build the message
+    cdef size_t oom_alloc_size, oom_free, oom_total
+
+    def __cinit__(self, *args, **kwargs):
+        self.node_resource = new unsynchronized_pool_resource()
+        self.large_blocks = new BlockPool(self.node_resource, False, 0)
+        self.small_blocks = new BlockPool(self.node_resource, True, 0)
+        self.active_blocks = new ActiveMap(self.node_resource)
+        self.history = new TraceRing()
+        self.max_split_size = SIZE_MAX_VALUE
+        self.stat_max_split_size = SIZE_MAX_VALUE
+        self.max_non_split_rounding_size = kLargeBuffer
+        self.memory_fraction = 1.0
+        self.oom_observers = []
+
+    def __init__(self, Backend backend not None):
+        self.backend = backend
+
+    def __dealloc__(self):
+        # Segments still held are not returned: the backend may be gone at interpreter exit, and
+        # a device context's teardown reclaims them. Only host-side structures are freed here.
+        cdef vector[Block*] blocks
+        cdef Block* b
+        self._collect_blocks(&blocks)
+        for b in blocks:
+            del b
+        for b in self.spare_blocks:
+            del b
+        self.spare_blocks.clear()
+        del self.active_blocks
+        del self.large_blocks
+        del self.small_blocks
+        del self.history
+        del self.node_resource
+
+    # ------------------------------------------------------------------------- lock
+
+    cdef inline void _lock(self) noexcept:
+        if not self.mutex.try_lock():
+            with nogil:
+                self.mutex.lock()
+
+    cdef inline void _unlock(self) noexcept:
+        self.mutex.unlock()
+
+    # ------------------------------------------------------------------------- settings
+
+    def _apply_settings(self, object settings):
+        """Take max_split_size, rounding, GC and expandable settings from a config object.
+
+        `settings` has the attributes of pyalloc.config.AllocatorConfig (bytes, floats, bools).
+        Values are validated by the config parser; they are checked again here only for type.
+        """
+        cdef size_t max_split = settings.max_split_size
+        cdef size_t non_split = settings.max_non_split_rounding_size
+        cdef double gc = settings.garbage_collection_threshold
+        divisions = list(settings.roundup_power2_divisions)
+        if len(divisions) != kRoundUpPowerOfTwoIntervals:
+            raise ValueError(f"roundup_power2_divisions needs 16 buckets, got {len(divisions)}")
+        cdef size_t[16] divs
+        for i in range(16):
+            divs[i] = divisions[i]
+        cdef bint expandable = settings.expandable_segments
+        if expandable:
+            raise NotImplementedError("expandable_segments:True is not implemented yet in pyalloc")
+        self._lock()
+        self.max_split_size = max_split
+        self.max_non_split_rounding_size = non_split
+        self.gc_threshold = gc
+        for i in range(16):
+            self.roundup_divisions[i] = divs[i]
+        self.expandable_segments = expandable
+        self._unlock()
+
+    def _init_stat_max_split_size(self):
+        # PyTorch reports max_split_size as it was when the device allocator was created.
+        self.stat_max_split_size = self.max_split_size
+
+    def set_memory_fraction(self, fraction):
+        """Cap this allocator's reserved memory at `fraction` (0.0 .. 1.0) of the device's total.
+
+        1.0 removes the cap. The cap counts only segments of this allocator (not the CUDA context).
+        """
+        if type(fraction) is not float and not isinstance(fraction, (int,)) or isinstance(fraction, bool):
+            raise TypeError(f"fraction must be a float in [0, 1], got {type(fraction).__name__} {fraction!r}")
+        cdef double f = fraction
+        if not (0.0 <= f <= 1.0):
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        cdef size_t free_bytes, total_bytes
+        self._lock()
+        try:
+            self.backend.memory_info(&free_bytes, &total_bytes)
+            self.memory_fraction = f
+            self.allowed_memory_maximum = <size_t>(f * <double>total_bytes) if f < 1.0 else 0
+        finally:
+            self._unlock()
+
+    def get_memory_fraction(self):
+        """The fraction last set with set_memory_fraction (1.0 when none)."""
+        return self.memory_fraction
+
+    # ------------------------------------------------------------------------- blocks
+
+    cdef Block* _new_block(self, uintptr_t stream, size_t size, BlockPool* pool, uintptr_t ptr) noexcept:
+        cdef Block* b
+        if self.spare_blocks.empty():
+            b = new Block()
+        else:
+            b = self.spare_blocks.back()
+            self.spare_blocks.pop_back()
+        b.stream = stream
+        b.size = size
+        b.ptr = ptr
+        b.pool = pool
+        b.requested_size = 0
+        b.prev = NULL
+        b.next = NULL
+        b.allocated = False
+        b.mapped = True
+        b.expandable = False
+        b.event_count = 0
+        b.gc_count_base = 0
+        b.stream_uses.clear()
+        b.metadata_id = 0
+        b.context_id = 0
+        b.segment_context_id = 0
+        return b
+
+    cdef inline void _delete_block(self, Block* b) noexcept:
+        self.spare_blocks.push_back(b)
+
+    cdef inline void _pool_insert(self, BlockPool* pool, Block* b) noexcept:
+        # Every (re)insertion restarts the block's garbage-collection age.
+        b.gc_count_base = pool.get_free_blocks_call_count
+        pool.blocks.insert(b)
+
+    cdef inline void _stat(self, int kind, BlockPool* pool, int64_t delta) noexcept:
+        stat_add(&self.stats[kind][0], delta)
+        stat_add(&self.stats[kind][1 if pool.is_small else 2], delta)
+
+    cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream,
+                            uint32_t context_id) noexcept:
+        if not self.history_on or (self.skip_actions_mask >> action) & 1:
+            return
+        cdef TraceEntry e
+        e.action = action
+        e.addr = addr
+        e.size = size
+        e.stream = stream
+        e.time_us = now_us()
+        e.metadata_id = current_metadata_id
+        e.context_id = context_id
+        self.history.push(e)
+
+    # ------------------------------------------------------------------------- policy helpers
+
+    cdef inline size_t _round_size(self, size_t size) noexcept:
+        if size < kMinBlockSize:
+            return kMinBlockSize
+        cdef int index = floor_log2(size) - 20
+        if index < 0:
+            index = 0
+        elif index > kRoundUpPowerOfTwoIntervals - 1:
+            index = kRoundUpPowerOfTwoIntervals - 1
+        cdef size_t divisions = self.roundup_divisions[index]
+        if divisions > 1 and size > kMinBlockSize * divisions:
+            return roundup_power2_next_division(size, divisions)
+        return kMinBlockSize * ((size + kMinBlockSize - 1) // kMinBlockSize)
+
+    def round_size(self, size):
+        """The block size (bytes) a request of `size` bytes is rounded to under current settings."""
+        return self._round_size(request_size(size))
+
+    @staticmethod
+    def allocation_size(size_t rounded):
+        """Bytes of the segment a new allocation of `rounded` bytes gets."""
+        return segment_size_for(rounded)
+
+    cdef inline bint _gc_enabled(self) noexcept:
+        return self.allowed_memory_maximum != 0 and self.gc_threshold > 0.0
+
+    cdef Block* _get_free_block(self, BlockPool* pool, uintptr_t stream, size_t size) noexcept:
+        """Best fit: the smallest free block of `stream` that fits, subject to the oversize rules."""
+        if self._gc_enabled():
+            pool.get_free_blocks_call_count += 1
+        cdef Block key
+        key.stream = stream
+        key.size = size
+        key.ptr = 0
+        cdef BlockSet.iterator it = pool.blocks.lower_bound(&key)
+        if it == pool.blocks.end() or deref(it).stream != stream:
+            return NULL
+        cdef Block* b = deref(it)
+        # An oversize block (>= max_split_size) is never carved for a smaller request, and a large
+        # request takes one only if the excess stays under max_non_split_rounding_size.
+        if size < self.max_split_size and b.size >= self.max_split_size:
+            return NULL
+        if size >= self.max_split_size and b.size >= size + self.max_non_split_rounding_size:
+            return NULL
+        pool.blocks.erase(it)
+        return b
+
+    cdef inline bint _should_split(self, Block* b, size_t size) noexcept:
+        cdef size_t remaining = b.size - size
+        if b.pool.is_small or self.expandable_segments:
+            return remaining >= kMinBlockSize
+        return size < self.max_split_size and remaining > kSmallSize
+
+    cdef Block* _alloc_found_block(self, Block* b, size_t orig_size, size_t size,
+                                   uint32_t context_id) noexcept:
+        """Hand out `b` (already out of its pool), splitting off the unused tail if worth it."""
+        cdef BlockPool* pool = b.pool
+        cdef Block* remaining
+        cdef bint already_split = b.is_split()
+        if self._should_split(b, size):
+            # The front part is handed out as a new Block; the remainder keeps its Block, shifted.
+            remaining = b
+            b = self._new_block(remaining.stream, size, pool, remaining.ptr)
+            b.expandable = remaining.expandable
+            b.prev = remaining.prev
+            if b.prev != NULL:
+                b.prev.next = b
+            b.next = remaining
+            remaining.prev = b
+            remaining.ptr += size
+            remaining.size -= size
+            self._pool_insert(pool, remaining)
+            if not b.expandable:
+                if already_split:
+                    self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
+                else:
+                    self._stat(ST_INACTIVE_SPLIT, pool, 1)
+                    self._stat(ST_INACTIVE_SPLIT_BYTES, pool, <int64_t>remaining.size)
+        elif already_split and not b.expandable:
+            self._stat(ST_INACTIVE_SPLIT, pool, -1)
+            self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
+
+        b.allocated = True
+        b.requested_size = orig_size
+        b.metadata_id = current_metadata_id
+        b.context_id = context_id
+        deref(self.active_blocks)[b.ptr] = b
+        self._stat(ST_ALLOCATION, pool, 1)
+        self._stat(ST_ALLOCATED_BYTES, pool, <int64_t>b.size)
+        self._stat(ST_ACTIVE, pool, 1)
+        self._stat(ST_ACTIVE_BYTES, pool, <int64_t>b.size)
+        self._stat(ST_REQUESTED_BYTES, pool, <int64_t>orig_size)
+        if b.size >= self.max_split_size:
+            stat_add(&self.oversize_allocations, 1)
+        self._trace(TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
+        return b
+
+    cdef size_t _try_merge(self, Block* dst, Block* src) noexcept:
+        """Absorb free neighbour `src` into `dst`; returns the bytes absorbed (0 if not free)."""
+        if (src == NULL or src.allocated or src.event_count > 0 or not src.stream_uses.empty()
+                or dst.mapped != src.mapped):
+            return 0
+        if dst.prev == src:
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev != NULL:
+                dst.prev.next = dst
+            # The merged block now heads the segment: keep the segment's allocation stack.
+            if src.segment_context_id:
+                dst.segment_context_id = src.segment_context_id
+        else:
+            dst.next = src.next
+            if dst.next != NULL:
+                dst.next.prev = dst
+        cdef size_t absorbed = src.size
+        dst.size += absorbed
+        dst.pool.blocks.erase(src)
+        self._delete_block(src)
+        return absorbed
+
+    cdef void _free_block(self, Block* b) noexcept:
+        """Return a block whose uses are all over to its pool, merging with free neighbours."""
+        self._trace(TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream, b.context_id)
+        cdef BlockPool* pool = b.pool
+        cdef size_t original_size = b.size
+        cdef size_t requested = b.requested_size
+        cdef int64_t split_blocks_delta = 0
+        cdef int64_t split_bytes_delta = 0
+        cdef size_t absorbed
+        cdef Block* candidates[2]
+        candidates[0] = b.prev
+        candidates[1] = b.next
+        self.active_blocks.erase(b.ptr)
+        for i in range(2):
+            absorbed = self._try_merge(b, candidates[i])
+            if absorbed:
+                split_blocks_delta -= 1
+                split_bytes_delta -= <int64_t>absorbed
+        b.context_id = 0
+        b.metadata_id = 0
+        b.requested_size = 0
+        self._pool_insert(pool, b)
+        if b.is_split():
+            split_blocks_delta += 1
+            split_bytes_delta += <int64_t>b.size
+        if not b.expandable:
+            self._stat(ST_INACTIVE_SPLIT, pool, split_blocks_delta)
+            self._stat(ST_INACTIVE_SPLIT_BYTES, pool, split_bytes_delta)
+        self._stat(ST_ACTIVE, pool, -1)
+        self._stat(ST_ACTIVE_BYTES, pool, -<int64_t>original_size)
+        self._stat(ST_REQUESTED_BYTES, pool, -<int64_t>requested)
+
+    # ------------------------------------------------------------------------- events
+
+    cdef int _insert_events(self, Block* b) except -1:
+        """Record an event on every stream that used `b`; b returns to its pool when all complete."""
+        cdef vector[uintptr_t] streams
+        streams.swap(b.stream_uses)
+        cdef uintptr_t event
+        cdef uintptr_t stream
+        for stream in streams:
+            if self.event_pool.empty():
+                self.backend.event_create(&event)
+            else:
+                event = self.event_pool.back()
+                self.event_pool.pop_back()
+            try:
+                self.backend.event_record(event, stream)
+            except BaseException:
+                self.event_pool.push_back(event)
+                raise
+            b.event_count += 1
+            self.stream_events[stream].push_back(EventEntry(event, b))
+            self.outstanding_events += 1
+        return 0
+
+    cdef int _process_events(self) except -1:
+        """Free blocks whose events have all completed; polls each stream's events in order."""
+        cdef EventQueues.iterator it = self.stream_events.begin()
+        cdef EventEntry front
+        while it != self.stream_events.end():
+            while not deref(it).second.empty():
+                front = deref(it).second.front()
+                if not self.backend.event_query(front.first):
+                    break   # later events of this stream cannot be complete either
+                deref(it).second.pop_front()
+                self._event_done(front.first, front.second)
+            if deref(it).second.empty():
+                it = self.stream_events.erase(it)
+            else:
+                inc(it)
+        return 0
+
+    cdef inline void _event_done(self, uintptr_t event, Block* b) noexcept:
+        self.event_pool.push_back(event)
+        self.outstanding_events -= 1
+        b.event_count -= 1
+        if b.event_count == 0:
+            self._free_block(b)
+
+    cdef int _synchronize_and_free_events(self) except -1:
+        """Wait for every outstanding event and free the blocks that were waiting on them."""
+        self.num_sync_all_streams += 1
+        cdef EventEntry front
+        cdef EventQueues.iterator it = self.stream_events.begin()
+        while it != self.stream_events.end():
+            while not deref(it).second.empty():
+                front = deref(it).second.front()
+                self.backend.event_synchronize(front.first)
+                deref(it).second.pop_front()
+                self._event_done(front.first, front.second)
+            it = self.stream_events.erase(it)
+        return 0
+
+    # ------------------------------------------------------------------------- segments
+
+    cdef int _alloc_block(self, BlockPool* pool, uintptr_t stream, size_t alloc_size, bint is_retry,
+                          Block** out) except -1:
+        """Allocate a new segment of `alloc_size` bytes; 0 and *out set, or BACKEND_OOM."""
+        if is_retry:
+            self.num_alloc_retries += 1
+        if self.allowed_memory_maximum and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
+            return BACKEND_OOM
+        cdef uintptr_t ptr = 0
+        if self.backend.segment_alloc(alloc_size, &ptr) == BACKEND_OOM:
+            return BACKEND_OOM
+        self.total_allocated_memory += alloc_size
+        cdef Block* b = self._new_block(stream, alloc_size, pool, ptr)
+        self._stat(ST_SEGMENT, pool, 1)
+        self._stat(ST_RESERVED_BYTES, pool, <int64_t>alloc_size)
+        if alloc_size >= self.max_split_size:
+            stat_add(&self.oversize_segments, 1)
+        self.num_device_alloc += 1
+        self._trace(TR_SEGMENT_ALLOC, ptr, alloc_size, stream, 0)
+        out[0] = b
+        return 0
+
+    cdef int _release_block(self, Block* b) except -1:
+        """Return the whole-segment free block `b` to the device."""
+        self.backend.segment_free(b.ptr, b.size)
+        self.total_allocated_memory -= b.size
+        cdef BlockPool* pool = b.pool
+        self._stat(ST_SEGMENT, pool, -1)
+        self._stat(ST_RESERVED_BYTES, pool, -<int64_t>b.size)
+        if b.size >= self.max_split_size:
+            stat_add(&self.oversize_segments, -1)
+        self.num_device_free += 1
+        self._trace(TR_SEGMENT_FREE, b.ptr, b.size, b.stream, 0)
+        pool.blocks.erase(b)
+        self._delete_block(b)
+        return 0
+
+    cdef int _release_blocks(self, BlockPool* pool) except -1:
+        """Release every cached block of `pool` that is a whole segment."""
+        cdef BlockSet.iterator it = pool.blocks.begin()
+        cdef Block* b
+        while it != pool.blocks.end():
+            b = deref(it)
+            inc(it)
+            if not b.is_split() and not b.expandable:
+                self._release_block(b)
+        return 0
+
+    cdef int _release_cached_blocks(self) except -1:
+        """The full flush: wait for events, then release every unsplit cached segment."""
+        self._synchronize_and_free_events()
+        self._release_blocks(self.large_blocks)
+        self._release_blocks(self.small_blocks)
+        return 0
+
+    cdef int _release_available_cached_blocks(self, BlockPool* pool, uintptr_t stream,
+                                              size_t size) except -1:
+        """Free cached oversize segments of `stream` worth at least max(size, max_split_size).
+
+        Returns 1 when something was freed. Only meaningful when max_split_size is set.
+        """
+        if self.max_split_size == SIZE_MAX_VALUE:
+            return 0
+        cdef Block key
+        key.stream = stream
+        key.size = size if size > self.max_split_size else self.max_split_size
+        key.ptr = 0
+        cdef BlockSet.iterator it = pool.blocks.lower_bound(&key)
+        cdef BlockSet.iterator cur
+        cdef size_t released = 0
+        cdef bint is_first
+        cdef Block* b
+        if it == pool.blocks.end() or deref(it).stream != stream or deref(it).expandable:
+            # No single block is big enough: free oversize blocks from the largest down.
+            if it == pool.blocks.begin():
+                return 0
+            dec(it)
+            while released < key.size and deref(it).size >= self.max_split_size and deref(it).stream == stream:
+                cur = it
+                is_first = cur == pool.blocks.begin()
+                if not is_first:
+                    dec(it)
+                b = deref(cur)
+                if not b.expandable and not b.is_split():
+                    released += b.size
+                    self._release_block(b)
+                if is_first:
+                    break
+            return 1 if released >= key.size else 0
+        b = deref(it)
+        if b.is_split():
+            return 0
+        self._release_block(b)
+        return 1
+
+    cdef int _garbage_collect(self) except -1:
+        """Release aged unsplit cached segments of the large pool beyond the GC threshold."""
+        cdef size_t threshold_bytes = <size_t>(self.gc_threshold * <double>self.allowed_memory_maximum)
+        if self.total_allocated_memory <= threshold_bytes:
+            return 0
+        cdef size_t target = self.total_allocated_memory - threshold_bytes
+        cdef size_t reclaimed = 0
+        cdef double total_age = 0.0
+        cdef int64_t freeable = 0
+        cdef BlockPool* pool = self.large_blocks
+        cdef BlockSet.iterator it = pool.blocks.begin()
+        cdef Block* b
+        cdef double age_threshold, age
+        while it != pool.blocks.end():
+            b = deref(it)
+            inc(it)
+            if not b.is_split() and not b.expandable:
+                total_age += <double>(pool.get_free_blocks_call_count - b.gc_count_base)
+                freeable += 1
+        cdef bint freed_some = True
+        # Release blocks at least as old as the average, repeatedly; a pass does not stop at the
+        # target, so that GC does not run again at the very next allocation.
+        while reclaimed < target and freed_some and freeable > 0:
+            age_threshold = total_age / <double>freeable
+            freed_some = False
+            it = pool.blocks.begin()
+            while it != pool.blocks.end():
+                b = deref(it)
+                inc(it)
+                if b.is_split() or b.expandable:
+                    continue
+                age = <double>(pool.get_free_blocks_call_count - b.gc_count_base)
+                if age >= age_threshold:
+                    freed_some = True
+                    reclaimed += b.size
+                    total_age -= age
+                    freeable -= 1
+                    self._release_block(b)
+        return 0
+
+    # ------------------------------------------------------------------------- malloc / free
+
+    cdef int _malloc(self, size_t orig_size, uintptr_t stream, uint32_t context_id,
+                     Block** out) except -1:
+        """Find or make a block for `orig_size` bytes on `stream`. Caller holds the lock.
+
+        Returns 0 with *out set, or BACKEND_OOM with the oom_* figures set.
+        """
+        if self.outstanding_events:
+            self._process_events()
+        cdef size_t size = self._round_size(orig_size)
+        cdef BlockPool* pool = self.small_blocks if size <= kSmallSize else self.large_blocks
+        # Cache hit: the whole fast path is this search plus _alloc_found_block.
+        cdef Block* b = self._get_free_block(pool, stream, size)
+        if b != NULL:
+            out[0] = self._alloc_found_block(b, orig_size, size, context_id)
+            return 0
+
+        cdef size_t alloc_size = segment_size_for(size)
+        if self._gc_enabled():
+            self._garbage_collect()
+        if (self._alloc_block(pool, stream, alloc_size, False, &b) == BACKEND_OOM
+                and not (self._release_available_cached_blocks(pool, stream, size)
+                         and self._alloc_block(pool, stream, alloc_size, False, &b) == 0)
+                and not (self._release_cached_blocks() == 0
+                         and self._alloc_block(pool, stream, alloc_size, True, &b) == 0)):
+            self._record_oom(alloc_size)
+            return BACKEND_OOM
+        b.segment_context_id = context_id
+        out[0] = self._alloc_found_block(b, orig_size, size, context_id)
+        return 0
+
+    cdef int _record_oom(self, size_t alloc_size) except -1:
+        cdef size_t free_bytes = 0, total_bytes = 0
+        self.backend.memory_info(&free_bytes, &total_bytes)
+        self._trace(TR_OOM, free_bytes, alloc_size, 0, 0)
+        self.num_ooms += 1
+        self.oom_alloc_size = alloc_size
+        self.oom_free = free_bytes
+        self.oom_total = total_bytes
+        return 0
+
+    def malloc(self, nbytes, stream=0):
+        """Allocate `nbytes` bytes for use on `stream`; returns the device pointer (0 for 0 bytes).
+
+        Raises OutOfMemoryError when neither the cache nor the device can provide the memory,
+        TypeError/ValueError for a bad size or stream (state unchanged).
+        """
+        cdef size_t size = request_size(nbytes)
+        cdef uintptr_t s = stream_handle(stream)
+        if size == 0:
+            return 0
+        cdef uint32_t context_id = 0
+        if self.capture_alloc_stacks:
+            context_id = self.context_recorder()
+        cdef Block* b = NULL
+        cdef int rc
+        self._lock()
+        try:
+            rc = self._malloc(size, s, context_id, &b)
+        finally:
+            self._unlock()
+        if rc == BACKEND_OOM:
+            self._raise_oom(size)
+        return b.ptr
+
+    cdef _raise_oom(self, size_t requested):
+        stats = self._stats_snapshot()
+        allocated = stats[ST_ALLOCATED_BYTES]
+        reserved = stats[ST_RESERVED_BYTES]
+        for observer in list(self.oom_observers):
+            observer(self.backend.device, self.oom_alloc_size,
+                     self.allowed_memory_maximum or self.oom_total, self.oom_free)
+        limit = (f"{format_bytes(self.allowed_memory_maximum)} allowed; "
+                 if self.allowed_memory_maximum else "")
+        raise OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {format_bytes(self.oom_alloc_size)}. "
+            f"GPU {self.backend.device} has a total capacity of {format_bytes(self.oom_total)} of which "
+            f"{format_bytes(self.oom_free)} is free. {limit}Of the allocated memory "
+            f"{format_bytes(allocated)} is allocated by pyalloc, and "
+            f"{format_bytes(reserved - allocated)} is reserved by pyalloc but unallocated. "
+            "If reserved but unallocated memory is large try setting "
+            "PYALLOC_CONF=max_split_size_mb:<n> or replay a recorded trace with `pyalloc tune` "
+            "to find settings that avoid fragmentation.",
+            requested=requested, segment_size=self.oom_alloc_size, device=self.backend.device,
+            total=self.oom_total, free=self.oom_free, allocated=allocated,
+            reserved_unallocated=reserved - allocated, allowed=self.allowed_memory_maximum or None)
+
+    cdef Block* _lookup_allocated(self, uintptr_t ptr) except NULL:
+        cdef ActiveMap.iterator it = self.active_blocks.find(ptr)
+        if it == self.active_blocks.end():
+            raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
+        cdef Block* b = deref(it).second
+        if not b.allocated:
+            raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
+        return b
+
+    def free(self, ptr):
+        """Return the memory at `ptr` (from malloc) to the cache. free(0) does nothing.
+
+        Raises ValueError for a pointer this allocator did not hand out or already freed.
+        """
+        if type(ptr) is not int:
+            if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
+                raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
+            ptr = ptr.__index__()
+        if ptr == 0:
+            return
+        if ptr < 0 or ptr > SIZE_MAX_VALUE:
+            raise ValueError(f"pointer {ptr} is not a device address")
+        cdef uintptr_t p = ptr
+        cdef Block* b
+        self._lock()
+        try:
+            b = self._lookup_allocated(p)
+            self._free(b)
+        finally:
+            self._unlock()
+
+    cdef int _free(self, Block* b) except -1:
+        b.allocated = False
+        cdef BlockPool* pool = b.pool
+        self._stat(ST_ALLOCATION, pool, -1)
+        self._stat(ST_ALLOCATED_BYTES, pool, -<int64_t>b.size)
+        self._trace(TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream, b.context_id)
+        if b.size >= self.max_split_size:
+            stat_add(&self.oversize_allocations, -1)
+        if b.stream_uses.empty():
+            self._free_block(b)
+        else:
+            self._insert_events(b)
+        return 0
+
+    def record_stream(self, ptr, stream):
+        """Declare that the memory at `ptr` is also used on `stream`.
+
+        When it is freed, it is not reused until the work queued on `stream` up to the free has
+        completed. Using the allocation stream itself is a no-op, as is ptr 0.
+        """
+        if type(ptr) is not int:
+            raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
+        cdef uintptr_t s = stream_handle(stream)
+        if ptr == 0:
+            return
+        if ptr < 0 or ptr > SIZE_MAX_VALUE:
+            raise ValueError(f"pointer {ptr} is not a device address")
+        cdef uintptr_t p = ptr
+        cdef Block* b
+        cdef uintptr_t used
+        self._lock()
+        try:
+            b = self._lookup_allocated(p)
+            if s != b.stream:
+                for used in b.stream_uses:
+                    if used == s:
+                        break
+                else:
+                    b.stream_uses.push_back(s)
+        finally:
+            self._unlock()
+
+    def empty_cache(self):
+        """Release every cached segment that holds no live block back to the device."""
+        self._lock()
+        try:
+            self._release_cached_blocks()
+        finally:
+            self._unlock()
+
+    def process_events(self):
+        """Poll outstanding cross-stream events now (malloc does this on its own)."""
+        self._lock()
+        try:
+            self._process_events()
+        finally:
+            self._unlock()
+
+    def _noop(self):
+        """An empty method: the call-overhead floor the benchmarks compare against."""
+        pass
+
+    # ------------------------------------------------------------------------- stats
+
+    cdef list _stats_snapshot(self):
+        return [self.stats[k][0].current for k in range(NUM_STATS)]
+
+    def memory_stats(self):
+        """PyTorch's flat statistics dict: "{stat}.{all|small_pool|large_pool}.{current|peak|allocated|freed}"
+        plus num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc, num_device_free,
+        max_split_size and oversize_allocations/oversize_segments.{current|peak|allocated|freed}.
+        Byte statistics are in bytes. Keys are sorted, as torch.cuda.memory_stats returns them.
+        """
+        out = {}
+        cdef Stat s
+        self._lock()
+        try:
+            for k in range(NUM_STATS):
+                for p in range(3):
+                    s = self.stats[k][p]
+                    prefix = f"{STAT_NAMES[k]}.{POOL_NAMES[p]}."
+                    out[prefix + "current"] = s.current
+                    out[prefix + "peak"] = s.peak
+                    out[prefix + "allocated"] = s.allocated
+                    out[prefix + "freed"] = s.freed
+            for name in ("oversize_allocations", "oversize_segments"):
+                s = self.oversize_allocations if name == "oversize_allocations" else self.oversize_segments
+                out[name + ".current"] = s.current
+                out[name + ".peak"] = s.peak
+                out[name + ".allocated"] = s.allocated
+                out[name + ".freed"] = s.freed
+            out["num_alloc_retries"] = self.num_alloc_retries
+            out["num_ooms"] = self.num_ooms
+            out["num_sync_all_streams"] = self.num_sync_all_streams
+            out["num_device_alloc"] = self.num_device_alloc
+            out["num_device_free"] = self.num_device_free
+            out["max_split_size"] = -1 if self.stat_max_split_size == SIZE_MAX_VALUE else self.stat_max_split_size
+        finally:
+            self._unlock()
+        return dict(sorted(out.items()))
+
+    def memory_allocated(self):
+        """Bytes in blocks handed out and not freed (allocated_bytes.all.current)."""
+        return self.stats[ST_ALLOCATED_BYTES][0].current
+
+    def memory_reserved(self):
+        """Bytes in segments held from the device (reserved_bytes.all.current)."""
+        return self.stats[ST_RESERVED_BYTES][0].current
+
+    def max_memory_allocated(self):
+        """Peak of memory_allocated() since creation or the last reset_peak_memory_stats()."""
+        return self.stats[ST_ALLOCATED_BYTES][0].peak
+
+    def max_memory_reserved(self):
+        """Peak of memory_reserved() since creation or the last reset_peak_memory_stats()."""
+        return self.stats[ST_RESERVED_BYTES][0].peak
+
+    def reset_peak_memory_stats(self):
+        """Set every statistic's peak to its current value."""
+        self._lock()
+        for k in range(NUM_STATS):
+            for p in range(3):
+                self.stats[k][p].peak = self.stats[k][p].current
+        self.oversize_allocations.peak = self.oversize_allocations.current
+        self.oversize_segments.peak = self.oversize_segments.current
+        self._unlock()
+
+    def reset_accumulated_memory_stats(self):
+        """Zero the cumulative allocated/freed counts and the retry/OOM/sync/device counters."""
+        self._lock()
+        for k in range(NUM_STATS):
+            for p in range(3):
+                self.stats[k][p].allocated = 0
+                self.stats[k][p].freed = 0
+        self.oversize_allocations.allocated = 0
+        self.oversize_allocations.freed = 0
+        self.oversize_segments.allocated = 0
+        self.oversize_segments.freed = 0
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.num_sync_all_streams = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+        self._unlock()
+
+    # ------------------------------------------------------------------------- introspection
+
+    cdef void _collect_blocks(self, vector[Block*]* out) noexcept:
+        """Every block the allocator owns: free ones from the pools, the rest from active_blocks."""
+        cdef BlockSet.iterator it
+        cdef ActiveMap.iterator ait
+        cdef BlockPool* pools[2]
+        cdef BlockPool* pool
+        pools[0] = self.small_blocks
+        pools[1] = self.large_blocks
+        for i in range(2):
+            pool = pools[i]
+            it = pool.blocks.begin()
+            while it != pool.blocks.end():
+                out.push_back(deref(it))
+                inc(it)
+        ait = self.active_blocks.begin()
+        while ait != self.active_blocks.end():
+            out.push_back(deref(ait).second)
+            inc(ait)
+
+    def _segments(self):
+        """The segments as lists of blocks, sorted by address, for snapshots and checks.
+
+        Each segment is a dict: address, total_size, stream, is_small, is_expandable,
+        context_id and blocks; each block a dict: address, size, requested_size, allocated,
+        pending_free (freed, waiting for events), metadata_id, context_id.
+        """
+        cdef vector[Block*] blocks
+        cdef Block* b
+        cdef Block* head
+        segments = []
+        self._lock()
+        try:
+            self._collect_blocks(&blocks)
+            for head in blocks:
+                if head.prev != NULL:
+                    continue
+                seg_blocks = []
+                total = 0
+                b = head
+                while b != NULL:
+                    seg_blocks.append({
+                        "address": b.ptr, "size": b.size,
+                        "requested_size": b.requested_size,
+                        "allocated": b.allocated,
+                        "pending_free": (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty()),
+                        "metadata_id": b.metadata_id, "context_id": b.context_id,
+                    })
+                    total += b.size
+                    b = b.next
+                segments.append({
+                    "address": head.ptr, "total_size": total, "stream": head.stream,
+                    "is_small": head.pool.is_small, "is_expandable": head.expandable,
+                    "context_id": head.segment_context_id, "blocks": seg_blocks,
+                })
+        finally:
+            self._unlock()
+        segments.sort(key=lambda s: s["address"])
+        return segments
+
+    def _cached_block_count(self):
+        """Free blocks in the default pools: (small, large)."""
+        return self.small_blocks.blocks.size(), self.large_blocks.blocks.size()
+
+    # ------------------------------------------------------------------------- history
+
+    def _set_history(self, bint enabled, size_t max_entries, uint32_t skip_mask, bint clear):
+        """Switch the trace ring buffer on/off; turning it off clears it (PyTorch's semantics)."""
+        self._lock()
+        if not enabled:
+            self.history.reset(0)
+        elif clear or not self.history_on or self.history.capacity != max_entries:
+            self.history.reset(max_entries)
+        self.history_on = enabled
+        self.skip_actions_mask = skip_mask
+        self._unlock()
+
+    def _history_entries(self):
+        """Trace entries oldest first as tuples
+        (action, addr, size, stream, time_us, metadata_id, context_id), and the number dropped
+        because the ring buffer wrapped."""
+        cdef TraceEntry e
+        cdef size_t n
+        self._lock()
+        try:
+            n = self.history.entries.size()
+            out = []
+            for i in range(n):
+                e = self.history.at(i)
+                out.append((TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_us,
+                            e.metadata_id, e.context_id))
+            dropped = self.history.total - n
+        finally:
+            self._unlock()
+        return out, dropped
+
+    def _record_snapshot_entry(self):
+        """Add a `snapshot` trace entry (addr 0, size = active bytes), as taking a snapshot does."""
+        self._lock()
+        self._trace(TR_SNAPSHOT, 0, self.stats[ST_ACTIVE_BYTES][0].current, 0, 0)
+        self._unlock()
+
+    # ------------------------------------------------------------------------- invariants
+
+    def _check_invariants(self):
+        """Recount every block and compare with the links, pools and statistics.
+
+        Raises AssertionError naming the first broken invariant. For tests; O(blocks).
+        """
+        cdef vector[Block*] blocks
+        cdef Block* b
+        cdef Block* head
+        cdef int64_t recount[9][3]
+        cdef int p
+        for k in range(NUM_STATS):
+            for p in range(3):
+                recount[k][p] = 0
+        self._lock()
+        try:
+            self._collect_blocks(&blocks)
+            seen = set()
+            for head in blocks:
+                if head.prev != NULL:
+                    continue
+                p = 1 if head.pool.is_small else 2
+                seg_size = 0
+                b = head
+                split = head.next != NULL
+                while b != NULL:
+                    assert b.ptr not in seen, f"block {b.ptr:#x} reached twice"
+                    seen.add(b.ptr)
+                    assert b.pool == head.pool and b.stream == head.stream, f"block {b.ptr:#x} in a foreign segment"
+                    if b.next != NULL:
+                        assert b.next.prev == b, f"broken back link at {b.ptr:#x}"
+                        assert b.ptr + b.size == b.next.ptr, f"gap or overlap after {b.ptr:#x}"
+                    assert b.size % kMinBlockSize == 0, f"block {b.ptr:#x} size {b.size} not a multiple of 512"
+                    is_free = (not b.allocated) and b.event_count == 0 and b.stream_uses.empty()
+                    in_pool = b.pool.blocks.find(b) != b.pool.blocks.end()
+                    in_active = self.active_blocks.find(b.ptr) != self.active_blocks.end()
+                    assert is_free == in_pool, f"block {b.ptr:#x}: free={is_free} but in_pool={in_pool}"
+                    assert (not is_free) == in_active, f"block {b.ptr:#x}: active map disagrees"
+                    if is_free and b.next != NULL:
+                        nxt_free = (not b.next.allocated) and b.next.event_count == 0 and b.next.stream_uses.empty()
+                        assert not nxt_free, f"free neighbours {b.ptr:#x} and {b.next.ptr:#x} not merged"
+                    if b.allocated:
+                        recount[ST_ALLOCATION][p] += 1
+                        recount[ST_ALLOCATED_BYTES][p] += b.size
+                    if not is_free:
+                        recount[ST_ACTIVE][p] += 1
+                        recount[ST_ACTIVE_BYTES][p] += b.size
+                        recount[ST_REQUESTED_BYTES][p] += b.requested_size
+                    elif split and not b.expandable:
+                        recount[ST_INACTIVE_SPLIT][p] += 1
+                        recount[ST_INACTIVE_SPLIT_BYTES][p] += b.size
+                    seg_size += b.size
+                    b = b.next
+                recount[ST_SEGMENT][p] += 1
+                recount[ST_RESERVED_BYTES][p] += seg_size
+            for k in range(NUM_STATS):
+                recount[k][0] = recount[k][1] + recount[k][2]
+                for p in range(3):
+                    assert recount[k][p] == self.stats[k][p].current, (
+                        f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {self.stats[k][p].current}, "
+                        f"recount gives {recount[k][p]}")
+            assert self.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
+        finally:
+            self._unlock()
+
+
+# ------------------------------------------------------------------------------- Buffer
+
+cdef class Buffer:
+    """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
+
+    Attributes: ptr (device address), size (bytes requested), stream (handle), device (ordinal).
+    """
+    cdef readonly uintptr_t ptr
+    cdef readonly size_t size
+    cdef readonly uintptr_t stream
+    cdef readonly DeviceCachingAllocator allocator
+
+    def __init__(self, DeviceCachingAllocator allocator not None, nbytes, stream=0):
+        self.allocator = allocator
+        self.size = request_size(nbytes)
+        self.stream = stream_handle(stream)
+        self.ptr = allocator.malloc(self.size, self.stream)
+
+    @property
+    def device(self):
+        return self.allocator.backend.device
+
+    @property
+    def closed(self):
+        return self.ptr == 0 and self.size != 0
+
+    def close(self):
+        """Free the memory now. Closing twice is harmless."""
+        cdef uintptr_t p = self.ptr
+        if p:
+            self.ptr = 0
+            self.allocator.free(p)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __int__(self):
+        return self.ptr
+
+    def __repr__(self):
+        return (f"Buffer(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, "
+                f"device={self.device})")
+
+    def __dealloc__(self):
+        if self.ptr and self.allocator is not None:
+            self.allocator.free(self.ptr)
+
+
+# ------------------------------------------------------------------------------- metadata
+
+_metadata_strings = [""]        # id -> string; id 0 is "no metadata"
+_metadata_ids = {"": 0}
+
+
+def set_memory_metadata(str text):
+    """Set this thread's metadata string; stamped on trace entries and live blocks. "" clears it."""
+    cdef uint32_t mid
+    if text is None or not isinstance(text, str):
+        raise TypeError(f"metadata must be a str, got {type(text).__name__} {text!r}")
+    mid = _metadata_ids.get(text, 0)
+    if text and not mid:
+        mid = len(_metadata_strings)
+        _metadata_strings.append(text)
+        _metadata_ids[text] = mid
+    global current_metadata_id
+    current_metadata_id = mid
+
+
+def get_memory_metadata():
+    """This thread's metadata string ("" when none)."""
+    return _metadata_strings[current_metadata_id]
+
+
+def metadata_string(uint32_t metadata_id):
+    """The metadata string of an id recorded in blocks and trace entries."""
+    return _metadata_strings[metadata_id]

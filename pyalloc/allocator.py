@@ -1,0 +1,119 @@
+"""The public allocator class: configuration, backend choice, summaries and owning buffers.
+
+Every allocation decision is made by DeviceCachingAllocator in _core.pyx; this module only wires it
+to its settings and backend and formats what it reports.
+"""
+from pyalloc import config as _config
+from pyalloc._core import Buffer, DeviceCachingAllocator
+from pyalloc._backend import Backend
+from pyalloc.errors import format_bytes
+
+
+def make_backend(backend, device):
+    """A Backend for `device`: "sim", "cuda", None (cuda when a GPU is there, else sim) or an object."""
+    if isinstance(backend, Backend):
+        if backend.device != device:
+            raise ValueError(f"backend serves device {backend.device}, but device={device} was asked for")
+        return backend
+    if backend == "sim":
+        from pyalloc._sim import SimDevice
+        return SimDevice(device=device)
+    if backend == "cuda" or backend is None:
+        from pyalloc import cuda_backend
+        if backend is None and not cuda_backend.is_available():
+            from pyalloc._sim import SimDevice
+            return SimDevice(device=device)
+        return cuda_backend.open_device(device)
+    raise ValueError(f"backend must be 'sim', 'cuda', None or a Backend object, got {backend!r}")
+
+
+class CachingAllocator(DeviceCachingAllocator):
+    """PyTorch's CUDA caching allocator for one device.
+
+    Args:
+        device: device ordinal (default 0).
+        backend: "sim" (the simulated device, default), "cuda" (the real GPU), None (the GPU when
+            one is present, else the simulated device) or a Backend object such as a SimDevice.
+        config: settings string in PyTorch's format (e.g. "max_split_size_mb:128"), a
+            pyalloc.config.CudaAllocatorConfig, or None. With None the allocator follows the
+            process-wide settings (PYALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, and later
+            pyalloc.set_allocator_settings calls); an explicit config is this allocator's own.
+
+    Sizes are bytes; pointers and streams are ints (streams may also be stream objects).
+    """
+
+    def __init__(self, device=0, *, backend="sim", config=None):
+        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+            raise ValueError(f"device must be an int ordinal >= 0, got {device!r}")
+        settings = _config.current_settings().copy() if config is None else _config.resolve_config(config)
+        super().__init__(make_backend(backend, device))
+        self._settings = settings
+        self._apply_settings(settings)
+        self._init_stat_max_split_size()
+        if settings.per_process_memory_fraction < 1.0:
+            self.set_memory_fraction(settings.per_process_memory_fraction)
+        self.follows_process_settings = config is None
+        if self.follows_process_settings:
+            _config.add_settings_listener(self._on_process_settings)
+
+    def _on_process_settings(self, settings):
+        self._apply_settings(settings)
+        self._settings = settings
+
+    @property
+    def device(self):
+        """Device ordinal."""
+        return self.backend.device
+
+    @property
+    def settings(self):
+        """A copy of the settings in force (pyalloc.config.CudaAllocatorConfig)."""
+        return self._settings.copy()
+
+    def allocate(self, nbytes, stream=0):
+        """Allocate `nbytes` bytes on `stream` as a Buffer, freed by close(), `with` or collection."""
+        return Buffer(self, nbytes, stream)
+
+    def memory_summary(self):
+        """A readable table of the statistics, laid out like torch.cuda.memory_summary()."""
+        return format_memory_summary(self.memory_stats(), self.device)
+
+    def __repr__(self):
+        return (f"CachingAllocator(device={self.device}, backend={self.backend.kind!r}, "
+                f"allocated={self.memory_allocated()}, reserved={self.memory_reserved()})")
+
+
+def format_memory_summary(stats, device=0):
+    """Format a memory_stats() dict as PyTorch's summary table (rows per pool, bytes humanised)."""
+    width = 75
+    rule = "=" * width
+    thin = "-" * width
+    header = f"| {'Metric':<25}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>10} |"
+    lines = [rule, f"|{'pyalloc memory summary, device ID ' + str(device):^{width - 2}}|",
+             thin,
+             f"|  CUDA OOMs: {stats['num_ooms']:<13d}|  cudaMalloc retries: {stats['num_alloc_retries']:<10d}|".ljust(width - 1) + "|",
+             rule, header, thin]
+
+    def rows(title, key, as_bytes):
+        fmt = format_bytes if as_bytes else str
+        out = []
+        for pool, label in (("all", title), ("large_pool", "      from large pool"),
+                            ("small_pool", "      from small pool")):
+            vals = [stats[f"{key}.{pool}.{f}"] for f in ("current", "peak", "allocated", "freed")]
+            out.append(f"| {label:<25}| " + " | ".join(f"{fmt(v):>10}" for v in vals) + " |")
+        out.append(thin)
+        return out
+
+    for title, key, as_bytes in (
+            ("Allocated memory", "allocated_bytes", True), ("Active memory", "active_bytes", True),
+            ("Requested memory", "requested_bytes", True), ("GPU reserved memory", "reserved_bytes", True),
+            ("Non-releasable memory", "inactive_split_bytes", True), ("Allocations", "allocation", False),
+            ("Active allocs", "active", False), ("GPU reserved segments", "segment", False),
+            ("Non-releasable allocs", "inactive_split", False)):
+        lines += rows(title, key, as_bytes)
+    for title, key in (("Oversize allocations", "oversize_allocations"),
+                       ("Oversize GPU segments", "oversize_segments")):
+        vals = [stats[f"{key}.{f}"] for f in ("current", "peak", "allocated", "freed")]
+        lines.append(f"| {title:<25}| " + " | ".join(f"{v:>10}" for v in vals) + " |")
+    lines.append(rule)
+    return "\n".join(lines) + "\n"

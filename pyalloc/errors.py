@@ -1,0 +1,47 @@
+"""Exceptions raised by pyalloc, and the byte formatting used in their messages."""
+
+
+def format_bytes(nbytes):
+    """Bytes as PyTorch prints them in OOM messages: two decimals, B / KiB / MiB / GiB."""
+    nbytes = int(nbytes)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+class OutOfMemoryError(MemoryError):
+    """The device (or the configured memory fraction) cannot provide the requested memory.
+
+    Attributes, in bytes (None where not known): requested (the caller's size), segment_size
+    (what the allocator tried to get from the device), total, free (device figures when it
+    failed), allocated (held by live allocations), reserved_unallocated (cached but not handed
+    out), allowed (the memory-fraction cap, or None), and device (ordinal).
+    """
+
+    def __init__(self, message, *, requested=None, segment_size=None, device=None, total=None,
+                 free=None, allocated=None, reserved_unallocated=None, allowed=None):
+        super().__init__(message)
+        self.requested = requested
+        self.segment_size = segment_size
+        self.device = device
+        self.total = total
+        self.free = free
+        self.allocated = allocated
+        self.reserved_unallocated = reserved_unallocated
+        self.allowed = allowed
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed. Attributes: call (function name), result (CUresult int), name."""
+
+    def __init__(self, call, result, name="", description=""):
+        self.call = call
+        self.result = int(result)
+        self.name = name
+        detail = f" ({description})" if description else ""
+        super().__init__(f"{call} failed with {name or 'CUresult'} {self.result}{detail}")
+
+
+class NoCudaDriverError(RuntimeError):
+    """The CUDA backend was asked for, but no driver or no GPU is available."""
