@@ -32,12 +32,6 @@ from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc.errors import OutOfMemoryError, format_bytes
 
-cdef extern from "<memory_resource>" namespace "std::pmr" nogil:
-    cdef cppclass memory_resource:
-        pass
-    cdef cppclass unsynchronized_pool_resource(memory_resource):
-        unsynchronized_pool_resource()
-
 cdef extern from "<mutex>" namespace "std" nogil:
     cdef cppclass recursive_mutex:
         void lock()
@@ -77,18 +71,19 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         iterator end()
         iterator lower_bound(Block*)
         iterator find(Block*)
-        size_t erase(Block*)
+        void erase(Block*)
         iterator erase(iterator)
-        pair[iterator, bint] insert(Block*)
+        void insert(Block*)
         size_t size()
         bint empty()
+        bint contains(Block*)
 
     cdef cppclass BlockPool:
         BlockSet blocks
         bint is_small
         int64_t owner_id
         int64_t get_free_blocks_call_count
-        BlockPool(memory_resource*, bint, int64_t)
+        BlockPool(bint, int64_t)
 
     cdef cppclass ActiveMap:
         cppclass iterator:
@@ -97,12 +92,11 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
             bint operator==(iterator)
             bint operator!=(iterator)
         ActiveMap()
-        ActiveMap(memory_resource*)
         iterator begin()
         iterator end()
         iterator find(uintptr_t)
-        size_t erase(uintptr_t)
-        Block*& operator[](uintptr_t)
+        void erase(uintptr_t)
+        void insert(uintptr_t, Block*)
         size_t size()
 
     cdef struct TraceEntry:
@@ -241,10 +235,13 @@ cdef uintptr_t stream_handle(object stream) except? 0:
     Accepts ints (0 is the default stream), objects with `__cuda_stream__` (cuda.core's protocol,
     returning (version, handle)), `.cuda_stream` (PyTorch) or `.ptr` (CuPy).
     """
+    cdef unsigned long long value
     if type(stream) is int:
-        if stream < 0:
-            raise ValueError(f"stream handle must be >= 0, got {stream}")
-        return <uintptr_t>stream
+        try:
+            value = stream
+        except OverflowError:
+            raise ValueError(f"stream handle must be an int in [0, 2**64), got {stream}") from None
+        return <uintptr_t>value
     if stream is None:
         return 0
     handle = None
@@ -263,6 +260,20 @@ cdef uintptr_t stream_handle(object stream) except? 0:
             f"expected a stream (an int handle >= 0, or an object with __cuda_stream__, .cuda_stream "
             f"or .ptr), got {stream!r}")
     return <uintptr_t>handle
+
+
+cdef uintptr_t device_pointer(object ptr) except? 0:
+    """Validate a device pointer: an int in [0, 2**64)."""
+    cdef unsigned long long value
+    if type(ptr) is not int:
+        if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
+            raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
+        ptr = ptr.__index__()
+    try:
+        value = ptr
+    except OverflowError:
+        raise ValueError(f"pointer {ptr} is not a device address (expected an int in [0, 2**64))") from None
+    return <uintptr_t>value
 
 
 cdef size_t request_size(object nbytes) except? 0:
@@ -297,7 +308,6 @@ cdef class DeviceCachingAllocator:
 
     cdef recursive_mutex mutex
     cdef readonly Backend backend
-    cdef unsynchronized_pool_resource* node_resource
     cdef BlockPool* large_blocks
     cdef BlockPool* small_blocks
     cdef ActiveMap* active_blocks
@@ -339,10 +349,9 @@ cdef class DeviceCachingAllocator:
     cdef size_t oom_alloc_size, oom_free, oom_total
 
     def __cinit__(self, *args, **kwargs):
-        self.node_resource = new unsynchronized_pool_resource()
-        self.large_blocks = new BlockPool(self.node_resource, False, 0)
-        self.small_blocks = new BlockPool(self.node_resource, True, 0)
-        self.active_blocks = new ActiveMap(self.node_resource)
+        self.large_blocks = new BlockPool(False, 0)
+        self.small_blocks = new BlockPool(True, 0)
+        self.active_blocks = new ActiveMap()
         self.history = new TraceRing()
         self.max_split_size = SIZE_MAX_VALUE
         self.stat_max_split_size = SIZE_MAX_VALUE
@@ -368,7 +377,6 @@ cdef class DeviceCachingAllocator:
         del self.large_blocks
         del self.small_blocks
         del self.history
-        del self.node_resource
 
     # ------------------------------------------------------------------------- lock
 
@@ -576,7 +584,7 @@ cdef class DeviceCachingAllocator:
         b.requested_size = orig_size
         b.metadata_id = current_metadata_id
         b.context_id = context_id
-        deref(self.active_blocks)[b.ptr] = b
+        self.active_blocks.insert(b.ptr, b)
         self._stat(ST_ALLOCATION, pool, 1)
         self._stat(ST_ALLOCATED_BYTES, pool, <int64_t>b.size)
         self._stat(ST_ACTIVE, pool, 1)
@@ -942,15 +950,9 @@ cdef class DeviceCachingAllocator:
 
         Raises ValueError for a pointer this allocator did not hand out or already freed.
         """
-        if type(ptr) is not int:
-            if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
-                raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
-            ptr = ptr.__index__()
-        if ptr == 0:
+        cdef uintptr_t p = device_pointer(ptr)
+        if p == 0:
             return
-        if ptr < 0 or ptr > SIZE_MAX_VALUE:
-            raise ValueError(f"pointer {ptr} is not a device address")
-        cdef uintptr_t p = ptr
         cdef Block* b
         self._lock()
         try:
@@ -979,14 +981,10 @@ cdef class DeviceCachingAllocator:
         When it is freed, it is not reused until the work queued on `stream` up to the free has
         completed. Using the allocation stream itself is a no-op, as is ptr 0.
         """
-        if type(ptr) is not int:
-            raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
+        cdef uintptr_t p = device_pointer(ptr)
         cdef uintptr_t s = stream_handle(stream)
-        if ptr == 0:
+        if p == 0:
             return
-        if ptr < 0 or ptr > SIZE_MAX_VALUE:
-            raise ValueError(f"pointer {ptr} is not a device address")
-        cdef uintptr_t p = ptr
         cdef Block* b
         cdef uintptr_t used
         self._lock()
@@ -1242,7 +1240,7 @@ cdef class DeviceCachingAllocator:
                         assert b.ptr + b.size == b.next.ptr, f"gap or overlap after {b.ptr:#x}"
                     assert b.size % kMinBlockSize == 0, f"block {b.ptr:#x} size {b.size} not a multiple of 512"
                     is_free = (not b.allocated) and b.event_count == 0 and b.stream_uses.empty()
-                    in_pool = b.pool.blocks.find(b) != b.pool.blocks.end()
+                    in_pool = b.pool.blocks.contains(b)
                     in_active = self.active_blocks.find(b.ptr) != self.active_blocks.end()
                     assert is_free == in_pool, f"block {b.ptr:#x}: free={is_free} but in_pool={in_pool}"
                     assert (not is_free) == in_active, f"block {b.ptr:#x}: active map disagrees"

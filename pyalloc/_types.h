@@ -12,7 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <memory_resource>
+#include <iterator>
 #include <set>
 #include <unordered_map>
 #include <vector>
@@ -65,11 +65,73 @@ struct BlockByAddress {
     }
 };
 
-// The set nodes come from the allocator's unsynchronized pool resource: the core lock already
-// serialises every access, and recycling nodes keeps a cache hit free of calls to operator new.
-typedef std::pmr::set<Block*, BlockBySize> BlockSet;
-typedef std::pmr::set<Block*, BlockByAddress> UnmappedSet;
-typedef std::pmr::unordered_map<uintptr_t, Block*> ActiveMap;
+// Ordered set of free blocks that recycles its tree nodes. A cache hit removes one block and
+// inserts its shifted remainder; a free removes a merged neighbour and inserts the merged block.
+// Reusing the extracted node for the next insertion (C++17 node handles) keeps both paths free of
+// calls to operator new/delete, which otherwise dominate their cost.
+template <typename Compare>
+struct RecyclingSet {
+    typedef std::set<Block*, Compare> Set;
+    typedef typename Set::iterator iterator;
+    Set items;
+    std::vector<typename Set::node_type> spare_nodes;
+
+    iterator begin() { return items.begin(); }
+    iterator end() { return items.end(); }
+    iterator lower_bound(Block* key) { return items.lower_bound(key); }
+    iterator find(Block* key) { return items.find(key); }
+    size_t size() const { return items.size(); }
+    bool empty() const { return items.empty(); }
+    bool contains(Block* b) const { return items.find(b) != items.end(); }
+
+    void insert(Block* b) {
+        if (spare_nodes.empty()) { items.insert(b); return; }
+        typename Set::node_type node = std::move(spare_nodes.back());
+        spare_nodes.pop_back();
+        node.value() = b;
+        items.insert(std::move(node));
+    }
+    // Removes the element at `it` and returns the iterator after it.
+    iterator erase(iterator it) {
+        iterator after = std::next(it);
+        spare_nodes.push_back(items.extract(it));
+        return after;
+    }
+    // Removes `b` (which must be present, compared by its current key).
+    void erase(Block* b) {
+        iterator it = items.find(b);
+        if (it != items.end()) spare_nodes.push_back(items.extract(it));
+    }
+};
+
+typedef RecyclingSet<BlockBySize> BlockSet;
+typedef RecyclingSet<BlockByAddress> UnmappedSet;
+
+// Pointer -> Block of every block handed out or waiting for events; node handles recycled as above.
+struct ActiveMap {
+    typedef std::unordered_map<uintptr_t, Block*> Map;
+    typedef Map::iterator iterator;
+    Map items;
+    std::vector<Map::node_type> spare_nodes;
+
+    iterator begin() { return items.begin(); }
+    iterator end() { return items.end(); }
+    iterator find(uintptr_t ptr) { return items.find(ptr); }
+    size_t size() const { return items.size(); }
+
+    void insert(uintptr_t ptr, Block* b) {
+        if (spare_nodes.empty()) { items.emplace(ptr, b); return; }
+        Map::node_type node = std::move(spare_nodes.back());
+        spare_nodes.pop_back();
+        node.key() = ptr;
+        node.mapped() = b;
+        items.insert(std::move(node));
+    }
+    void erase(uintptr_t ptr) {
+        iterator it = items.find(ptr);
+        if (it != items.end()) spare_nodes.push_back(items.extract(it));
+    }
+};
 
 struct BlockPool {
     BlockSet blocks;                       // free mapped blocks
@@ -78,8 +140,7 @@ struct BlockPool {
     int64_t owner_id;                      // 0 for the default pools, else a private pool's id
     int64_t get_free_blocks_call_count = 0;  // the garbage collector's clock
 
-    BlockPool(std::pmr::memory_resource* resource, bool small, int64_t owner)
-        : blocks(resource), unmapped(resource), is_small(small), owner_id(owner) {}
+    BlockPool(bool small, int64_t owner) : is_small(small), owner_id(owner) {}
 };
 
 // One statistic, PyTorch's shape: current value, its peak, and the cumulative increases/decreases.
