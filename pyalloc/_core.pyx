@@ -32,12 +32,6 @@ from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc.errors import OutOfMemoryError, format_bytes
 
-cdef extern from "<mutex>" namespace "std" nogil:
-    cdef cppclass recursive_mutex:
-        void lock()
-        bint try_lock()
-        void unlock()
-
 cdef extern from "_types.h" namespace "pyalloc" nogil:
     cdef cppclass BlockPool
 
@@ -70,13 +64,18 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         iterator begin()
         iterator end()
         iterator lower_bound(Block*)
-        iterator find(Block*)
         void erase(Block*)
-        iterator erase(iterator)
+        iterator erase_at(iterator)
         void insert(Block*)
+        void reposition(Block*)
         size_t size()
         bint empty()
         bint contains(Block*)
+
+    cdef cppclass AllocatorLock:
+        bint try_lock()
+        void lock()
+        void unlock()
 
     cdef cppclass BlockPool:
         BlockSet blocks
@@ -86,18 +85,12 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         BlockPool(bint, int64_t)
 
     cdef cppclass ActiveMap:
-        cppclass iterator:
-            pair[uintptr_t, Block*]& operator*()
-            iterator operator++()
-            bint operator==(iterator)
-            bint operator!=(iterator)
         ActiveMap()
-        iterator begin()
-        iterator end()
-        iterator find(uintptr_t)
+        Block* get(uintptr_t)
         void erase(uintptr_t)
         void insert(uintptr_t, Block*)
         size_t size()
+        void values(vector[Block*]*)
 
     cdef struct TraceEntry:
         int32_t action
@@ -117,6 +110,8 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         vector[TraceEntry] entries
 
     uint32_t current_metadata_id
+    uint32_t metadata_for_this_thread()
+    void set_metadata_in_use "pyalloc::metadata_in_use.store"(bint)
 
 
 ctypedef pair[uintptr_t, Block*] EventEntry          # (event, block waiting on it)
@@ -191,6 +186,18 @@ cdef inline void stat_add(Stat* s, int64_t delta) noexcept nogil:
         s.allocated += delta
     else:
         s.freed -= delta
+
+
+cdef inline void stat_increase(Stat* s, int64_t amount) noexcept nogil:
+    s.current += amount
+    s.allocated += amount
+    if s.current > s.peak:
+        s.peak = s.current
+
+
+cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
+    s.current -= amount
+    s.freed += amount
 
 
 cdef inline int floor_log2(size_t x) noexcept nogil:
@@ -306,7 +313,7 @@ cdef class DeviceCachingAllocator:
     snapshots on top of this class.
     """
 
-    cdef recursive_mutex mutex
+    cdef AllocatorLock mutex
     cdef readonly Backend backend
     cdef BlockPool* large_blocks
     cdef BlockPool* small_blocks
@@ -483,6 +490,14 @@ cdef class DeviceCachingAllocator:
         stat_add(&self.stats[kind][0], delta)
         stat_add(&self.stats[kind][1 if pool.is_small else 2], delta)
 
+    cdef inline void _stat_up(self, int kind, int pool_slot, int64_t amount) noexcept:
+        stat_increase(&self.stats[kind][0], amount)
+        stat_increase(&self.stats[kind][pool_slot], amount)
+
+    cdef inline void _stat_down(self, int kind, int pool_slot, int64_t amount) noexcept:
+        stat_decrease(&self.stats[kind][0], amount)
+        stat_decrease(&self.stats[kind][pool_slot], amount)
+
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream,
                             uint32_t context_id) noexcept:
         if not self.history_on or (self.skip_actions_mask >> action) & 1:
@@ -493,7 +508,7 @@ cdef class DeviceCachingAllocator:
         e.size = size
         e.stream = stream
         e.time_us = now_us()
-        e.metadata_id = current_metadata_id
+        e.metadata_id = metadata_for_this_thread()
         e.context_id = context_id
         self.history.push(e)
 
@@ -525,7 +540,10 @@ cdef class DeviceCachingAllocator:
         return self.allowed_memory_maximum != 0 and self.gc_threshold > 0.0
 
     cdef Block* _get_free_block(self, BlockPool* pool, uintptr_t stream, size_t size) noexcept:
-        """Best fit: the smallest free block of `stream` that fits, subject to the oversize rules."""
+        """Best fit: the smallest free block of `stream` that fits, subject to the oversize rules.
+
+        The block stays in its pool: _alloc_found_block either re-sorts it (split) or removes it.
+        """
         if self._gc_enabled():
             pool.get_free_blocks_call_count += 1
         cdef Block key
@@ -542,7 +560,6 @@ cdef class DeviceCachingAllocator:
             return NULL
         if size >= self.max_split_size and b.size >= size + self.max_non_split_rounding_size:
             return NULL
-        pool.blocks.erase(it)
         return b
 
     cdef inline bint _should_split(self, Block* b, size_t size) noexcept:
@@ -551,14 +568,18 @@ cdef class DeviceCachingAllocator:
             return remaining >= kMinBlockSize
         return size < self.max_split_size and remaining > kSmallSize
 
-    cdef Block* _alloc_found_block(self, Block* b, size_t orig_size, size_t size,
-                                   uint32_t context_id) noexcept:
-        """Hand out `b` (already out of its pool), splitting off the unused tail if worth it."""
+    cdef Block* _alloc_found_block(self, Block* b, bint in_pool, size_t orig_size,
+                                   size_t size, uint32_t context_id) noexcept:
+        """Hand out `b`, splitting off the unused tail if worth it.
+
+        `in_pool`: b is a cached block still in its pool (else a new segment's block).
+        """
         cdef BlockPool* pool = b.pool
         cdef Block* remaining
         cdef bint already_split = b.is_split()
         if self._should_split(b, size):
-            # The front part is handed out as a new Block; the remainder keeps its Block, shifted.
+            # The front part is handed out as a new Block; the remainder keeps its Block, shifted,
+            # and its place in the pool when it still sorts there (no tree update at all).
             remaining = b
             b = self._new_block(remaining.stream, size, pool, remaining.ptr)
             b.expandable = remaining.expandable
@@ -569,86 +590,112 @@ cdef class DeviceCachingAllocator:
             remaining.prev = b
             remaining.ptr += size
             remaining.size -= size
-            self._pool_insert(pool, remaining)
+            remaining.gc_count_base = pool.get_free_blocks_call_count
+            if in_pool:
+                pool.blocks.reposition(remaining)
+            else:
+                pool.blocks.insert(remaining)
             if not b.expandable:
                 if already_split:
                     self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
                 else:
                     self._stat(ST_INACTIVE_SPLIT, pool, 1)
                     self._stat(ST_INACTIVE_SPLIT_BYTES, pool, <int64_t>remaining.size)
-        elif already_split and not b.expandable:
-            self._stat(ST_INACTIVE_SPLIT, pool, -1)
-            self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
+        else:
+            if in_pool:
+                pool.blocks.erase(b)
+            if already_split and not b.expandable:
+                self._stat(ST_INACTIVE_SPLIT, pool, -1)
+                self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
 
         b.allocated = True
         b.requested_size = orig_size
-        b.metadata_id = current_metadata_id
+        b.metadata_id = metadata_for_this_thread()
         b.context_id = context_id
         self.active_blocks.insert(b.ptr, b)
-        self._stat(ST_ALLOCATION, pool, 1)
-        self._stat(ST_ALLOCATED_BYTES, pool, <int64_t>b.size)
-        self._stat(ST_ACTIVE, pool, 1)
-        self._stat(ST_ACTIVE_BYTES, pool, <int64_t>b.size)
-        self._stat(ST_REQUESTED_BYTES, pool, <int64_t>orig_size)
+        cdef int slot = 1 if pool.is_small else 2
+        self._stat_up(ST_ALLOCATION, slot, 1)
+        self._stat_up(ST_ALLOCATED_BYTES, slot, <int64_t>b.size)
+        self._stat_up(ST_ACTIVE, slot, 1)
+        self._stat_up(ST_ACTIVE_BYTES, slot, <int64_t>b.size)
+        self._stat_up(ST_REQUESTED_BYTES, slot, <int64_t>orig_size)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, 1)
         self._trace(TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
         return b
 
-    cdef size_t _try_merge(self, Block* dst, Block* src) noexcept:
-        """Absorb free neighbour `src` into `dst`; returns the bytes absorbed (0 if not free)."""
-        if (src == NULL or src.allocated or src.event_count > 0 or not src.stream_uses.empty()
-                or dst.mapped != src.mapped):
-            return 0
-        if dst.prev == src:
-            dst.ptr = src.ptr
-            dst.prev = src.prev
-            if dst.prev != NULL:
-                dst.prev.next = dst
-            # The merged block now heads the segment: keep the segment's allocation stack.
-            if src.segment_context_id:
-                dst.segment_context_id = src.segment_context_id
-        else:
-            dst.next = src.next
-            if dst.next != NULL:
-                dst.next.prev = dst
-        cdef size_t absorbed = src.size
-        dst.size += absorbed
-        dst.pool.blocks.erase(src)
-        self._delete_block(src)
-        return absorbed
+    cdef inline bint _mergeable(self, Block* b, Block* neighbour) noexcept:
+        """True when `neighbour` of `b` is a free block that may absorb or be absorbed by it."""
+        return (neighbour != NULL and not neighbour.allocated and neighbour.event_count == 0
+                and neighbour.stream_uses.empty() and neighbour.mapped == b.mapped)
 
     cdef void _free_block(self, Block* b) noexcept:
-        """Return a block whose uses are all over to its pool, merging with free neighbours."""
+        """Return a block whose uses are all over to its pool, merging with free neighbours.
+
+        Free neighbours are already in the pool. The merged range is kept in one of their Block
+        objects (the lower one), which then only needs repositioning in the pool; `b` and any
+        second neighbour are retired. Which object survives is invisible outside the core.
+        """
         self._trace(TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream, b.context_id)
         cdef BlockPool* pool = b.pool
         cdef size_t original_size = b.size
         cdef size_t requested = b.requested_size
         cdef int64_t split_blocks_delta = 0
         cdef int64_t split_bytes_delta = 0
-        cdef size_t absorbed
-        cdef Block* candidates[2]
-        candidates[0] = b.prev
-        candidates[1] = b.next
+        cdef Block* prev = b.prev if self._mergeable(b, b.prev) else NULL
+        cdef Block* next = b.next if self._mergeable(b, b.next) else NULL
+        cdef Block* merged
         self.active_blocks.erase(b.ptr)
-        for i in range(2):
-            absorbed = self._try_merge(b, candidates[i])
-            if absorbed:
+        if prev == NULL and next == NULL:
+            merged = b
+            b.context_id = 0
+            b.metadata_id = 0
+            b.requested_size = 0
+            self._pool_insert(pool, b)
+        else:
+            merged = prev if prev != NULL else next
+            if prev != NULL and next != NULL:
+                pool.blocks.erase(next)
+            if prev != NULL:
+                # prev absorbs b (and next, below): prev heads the range and keeps its context.
+                prev.size += b.size
+                prev.next = b.next
+                if prev.next != NULL:
+                    prev.next.prev = prev
                 split_blocks_delta -= 1
-                split_bytes_delta -= <int64_t>absorbed
-        b.context_id = 0
-        b.metadata_id = 0
-        b.requested_size = 0
-        self._pool_insert(pool, b)
-        if b.is_split():
+                split_bytes_delta -= <int64_t>prev.size - <int64_t>b.size
+            else:
+                # next absorbs b from below and becomes the head of the range.
+                next.ptr = b.ptr
+                next.size += b.size
+                next.prev = b.prev
+                if next.prev != NULL:
+                    next.prev.next = next
+                if b.segment_context_id:
+                    next.segment_context_id = b.segment_context_id
+                split_blocks_delta -= 1
+                split_bytes_delta -= <int64_t>next.size - <int64_t>b.size
+            if prev != NULL and next != NULL:
+                prev.size += next.size
+                prev.next = next.next
+                if prev.next != NULL:
+                    prev.next.prev = prev
+                split_blocks_delta -= 1
+                split_bytes_delta -= <int64_t>next.size
+                self._delete_block(next)
+            self._delete_block(b)
+            merged.gc_count_base = pool.get_free_blocks_call_count
+            pool.blocks.reposition(merged)
+        if merged.is_split():
             split_blocks_delta += 1
-            split_bytes_delta += <int64_t>b.size
-        if not b.expandable:
+            split_bytes_delta += <int64_t>merged.size
+        if not merged.expandable:
             self._stat(ST_INACTIVE_SPLIT, pool, split_blocks_delta)
             self._stat(ST_INACTIVE_SPLIT_BYTES, pool, split_bytes_delta)
-        self._stat(ST_ACTIVE, pool, -1)
-        self._stat(ST_ACTIVE_BYTES, pool, -<int64_t>original_size)
-        self._stat(ST_REQUESTED_BYTES, pool, -<int64_t>requested)
+        cdef int slot = 1 if pool.is_small else 2
+        self._stat_down(ST_ACTIVE, slot, 1)
+        self._stat_down(ST_ACTIVE_BYTES, slot, <int64_t>original_size)
+        self._stat_down(ST_REQUESTED_BYTES, slot, <int64_t>requested)
 
     # ------------------------------------------------------------------------- events
 
@@ -863,7 +910,7 @@ cdef class DeviceCachingAllocator:
         # Cache hit: the whole fast path is this search plus _alloc_found_block.
         cdef Block* b = self._get_free_block(pool, stream, size)
         if b != NULL:
-            out[0] = self._alloc_found_block(b, orig_size, size, context_id)
+            out[0] = self._alloc_found_block(b, True, orig_size, size, context_id)
             return 0
 
         cdef size_t alloc_size = segment_size_for(size)
@@ -877,7 +924,7 @@ cdef class DeviceCachingAllocator:
             self._record_oom(alloc_size)
             return BACKEND_OOM
         b.segment_context_id = context_id
-        out[0] = self._alloc_found_block(b, orig_size, size, context_id)
+        out[0] = self._alloc_found_block(b, False, orig_size, size, context_id)
         return 0
 
     cdef int _record_oom(self, size_t alloc_size) except -1:
@@ -937,10 +984,9 @@ cdef class DeviceCachingAllocator:
             reserved_unallocated=reserved - allocated, allowed=self.allowed_memory_maximum or None)
 
     cdef Block* _lookup_allocated(self, uintptr_t ptr) except NULL:
-        cdef ActiveMap.iterator it = self.active_blocks.find(ptr)
-        if it == self.active_blocks.end():
+        cdef Block* b = self.active_blocks.get(ptr)
+        if b == NULL:
             raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
-        cdef Block* b = deref(it).second
         if not b.allocated:
             raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
         return b
@@ -964,8 +1010,9 @@ cdef class DeviceCachingAllocator:
     cdef int _free(self, Block* b) except -1:
         b.allocated = False
         cdef BlockPool* pool = b.pool
-        self._stat(ST_ALLOCATION, pool, -1)
-        self._stat(ST_ALLOCATED_BYTES, pool, -<int64_t>b.size)
+        cdef int slot = 1 if pool.is_small else 2
+        self._stat_down(ST_ALLOCATION, slot, 1)
+        self._stat_down(ST_ALLOCATED_BYTES, slot, <int64_t>b.size)
         self._trace(TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream, b.context_id)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, -1)
@@ -1017,6 +1064,14 @@ cdef class DeviceCachingAllocator:
 
     def _noop(self):
         """An empty method: the call-overhead floor the benchmarks compare against."""
+        pass
+
+    def _noop_malloc(self, nbytes, stream=0):
+        """An empty method with malloc's signature: the floor for a call of that shape."""
+        pass
+
+    def _noop_free(self, ptr):
+        """An empty method with free's signature."""
         pass
 
     # ------------------------------------------------------------------------- stats
@@ -1107,7 +1162,6 @@ cdef class DeviceCachingAllocator:
     cdef void _collect_blocks(self, vector[Block*]* out) noexcept:
         """Every block the allocator owns: free ones from the pools, the rest from active_blocks."""
         cdef BlockSet.iterator it
-        cdef ActiveMap.iterator ait
         cdef BlockPool* pools[2]
         cdef BlockPool* pool
         pools[0] = self.small_blocks
@@ -1118,10 +1172,7 @@ cdef class DeviceCachingAllocator:
             while it != pool.blocks.end():
                 out.push_back(deref(it))
                 inc(it)
-        ait = self.active_blocks.begin()
-        while ait != self.active_blocks.end():
-            out.push_back(deref(ait).second)
-            inc(ait)
+        self.active_blocks.values(out)
 
     def _segments(self):
         """The segments as lists of blocks, sorted by address, for snapshots and checks.
@@ -1241,7 +1292,7 @@ cdef class DeviceCachingAllocator:
                     assert b.size % kMinBlockSize == 0, f"block {b.ptr:#x} size {b.size} not a multiple of 512"
                     is_free = (not b.allocated) and b.event_count == 0 and b.stream_uses.empty()
                     in_pool = b.pool.blocks.contains(b)
-                    in_active = self.active_blocks.find(b.ptr) != self.active_blocks.end()
+                    in_active = self.active_blocks.get(b.ptr) != NULL
                     assert is_free == in_pool, f"block {b.ptr:#x}: free={is_free} but in_pool={in_pool}"
                     assert (not is_free) == in_active, f"block {b.ptr:#x}: active map disagrees"
                     if is_free and b.next != NULL:
@@ -1268,8 +1319,25 @@ cdef class DeviceCachingAllocator:
                         f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {self.stats[k][p].current}, "
                         f"recount gives {recount[k][p]}")
             assert self.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
+            # Every pool's set must be in best-fit order with current keys (no stale entries).
+            for i in range(2):
+                self._check_pool_order(self.small_blocks if i == 0 else self.large_blocks)
         finally:
             self._unlock()
+
+
+    cdef int _check_pool_order(self, BlockPool* pool) except -1:
+        cdef BlockSet.iterator it = pool.blocks.begin()
+        cdef Block* last = NULL
+        cdef Block* b
+        while it != pool.blocks.end():
+            b = deref(it)
+            if last != NULL:
+                assert (last.stream, last.size, last.ptr) < (b.stream, b.size, b.ptr), (
+                    f"pool out of best-fit order at block {b.ptr:#x}")
+            last = b
+            inc(it)
+        return 0
 
 
 # ------------------------------------------------------------------------------- Buffer
@@ -1340,6 +1408,8 @@ def set_memory_metadata(str text):
         _metadata_strings.append(text)
         _metadata_ids[text] = mid
     global current_metadata_id
+    if mid:
+        set_metadata_in_use(True)
     current_metadata_id = mid
 
 
