@@ -35,6 +35,13 @@ from pyalloc.errors import OutOfMemoryError, format_bytes
 cdef extern from "_types.h" namespace "pyalloc" nogil:
     cdef cppclass BlockPool
 
+    cdef struct ExpandableSegment:
+        uintptr_t base
+        size_t size
+        size_t page_size
+        uintptr_t stream
+        BlockPool* pool
+
     cdef cppclass Block:
         uintptr_t stream
         size_t size
@@ -46,6 +53,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         bint allocated
         bint mapped
         bint expandable
+        ExpandableSegment* segment
         int event_count
         int64_t gc_count_base
         vector[uintptr_t] stream_uses
@@ -77,8 +85,23 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         void lock()
         void unlock()
 
+    cdef cppclass UnmappedSet:
+        cppclass iterator:
+            Block* operator*()
+            iterator operator++()
+            bint operator==(iterator)
+            bint operator!=(iterator)
+        iterator begin()
+        iterator end()
+        iterator lower_bound(Block*)
+        iterator find(Block*)
+        size_t erase(Block*)
+        pair[iterator, bint] insert(Block*)
+        size_t size()
+
     cdef cppclass BlockPool:
         BlockSet blocks
+        UnmappedSet unmapped
         bint is_small
         int64_t owner_id
         int64_t get_free_blocks_call_count
@@ -219,6 +242,27 @@ cdef inline size_t roundup_power2_next_division(size_t size, size_t divisions) n
     return size if floor_to_step == size else floor_to_step + step
 
 
+cdef inline size_t reservation_size(size_t total_bytes, size_t page) noexcept nogil:
+    """Address space an expandable segment reserves: 1.125x the device's memory, in whole pages,
+    so one segment per stream and pool can grow as far as physical memory allows."""
+    return page * ((total_bytes + total_bytes // 8 + page - 1) // page)
+
+
+def expandable_reservation_size(size_t total_bytes, bint small_pool):
+    """Bytes of address space one expandable segment reserves on a device of `total_bytes`."""
+    return reservation_size(total_bytes, kSmallBuffer if small_pool else kLargeBuffer)
+
+
+cdef inline bint is_free(Block* b) noexcept nogil:
+    """A block that could be handed out: not allocated and not waiting for other streams."""
+    return b != NULL and not b.allocated and b.event_count == 0 and b.stream_uses.empty()
+
+
+cdef inline size_t expandable_size(Block* b) noexcept nogil:
+    """A block's size plus the unmapped range right after it (room it can grow into)."""
+    return b.size + (b.next.size if b.next != NULL and not b.next.mapped else 0)
+
+
 cdef inline size_t segment_size_for(size_t rounded) noexcept nogil:
     """Bytes of the segment a new allocation of `rounded` bytes gets."""
     if rounded <= kSmallSize:
@@ -226,6 +270,15 @@ cdef inline size_t segment_size_for(size_t rounded) noexcept nogil:
     if rounded < kMinLargeAlloc:
         return kLargeBuffer
     return kRoundLarge * ((rounded + kRoundLarge - 1) // kRoundLarge)
+
+
+cdef extern from *:
+    """
+    static inline pyalloc::ExpandableSegment* new_segment_struct() { return new pyalloc::ExpandableSegment(); }
+    static inline void free_segment_struct(pyalloc::ExpandableSegment* s) { delete s; }
+    """
+    ExpandableSegment* new_segment_struct() nogil
+    void free_segment_struct(ExpandableSegment*) nogil
 
 
 cdef inline int64_t now_us() noexcept nogil:
@@ -322,6 +375,7 @@ cdef class DeviceCachingAllocator:
     cdef EventQueues stream_events
     cdef size_t outstanding_events
     cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
+    cdef vector[ExpandableSegment*] expandable_segments_list
 
     # settings (bytes unless noted)
     cdef size_t max_split_size
@@ -380,6 +434,8 @@ cdef class DeviceCachingAllocator:
         for b in self.spare_blocks:
             del b
         self.spare_blocks.clear()
+        for i in range(self.expandable_segments_list.size()):
+            free_segment_struct(self.expandable_segments_list[i])
         del self.active_blocks
         del self.large_blocks
         del self.small_blocks
@@ -413,8 +469,6 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             divs[i] = divisions[i]
         cdef bint expandable = settings.expandable_segments
-        if expandable:
-            raise NotImplementedError("expandable_segments:True is not implemented yet in pyalloc")
         self._lock()
         self.max_split_size = max_split
         self.max_non_split_rounding_size = non_split
@@ -470,6 +524,7 @@ cdef class DeviceCachingAllocator:
         b.allocated = False
         b.mapped = True
         b.expandable = False
+        b.segment = NULL
         b.event_count = 0
         b.gc_count_base = 0
         b.stream_uses.clear()
@@ -553,6 +608,24 @@ cdef class DeviceCachingAllocator:
         cdef BlockSet.iterator it = pool.blocks.lower_bound(&key)
         if it == pool.blocks.end() or deref(it).stream != stream:
             return NULL
+        cdef BlockSet.iterator after
+        if deref(it).expandable:
+            if self.expandable_segments:
+                # Best fit by the size a block could grow to: a block followed by unmapped space is
+                # the segment's growth frontier, kept for last while another block fits.
+                after = it
+                inc(after)
+                while (deref(it).expandable and after != pool.blocks.end()
+                       and deref(after).stream == stream
+                       and expandable_size(deref(after)) < expandable_size(deref(it))):
+                    it = after
+                    inc(after)
+            else:
+                # Expandable segments were switched off at run time: take only ordinary blocks.
+                while it != pool.blocks.end() and deref(it).expandable and deref(it).stream == stream:
+                    inc(it)
+                if it == pool.blocks.end() or deref(it).stream != stream:
+                    return NULL
         cdef Block* b = deref(it)
         # An oversize block (>= max_split_size) is never carved for a smaller request, and a large
         # request takes one only if the excess stays under max_non_split_rounding_size.
@@ -583,6 +656,7 @@ cdef class DeviceCachingAllocator:
             remaining = b
             b = self._new_block(remaining.stream, size, pool, remaining.ptr)
             b.expandable = remaining.expandable
+            b.segment = remaining.segment
             b.prev = remaining.prev
             if b.prev != NULL:
                 b.prev.next = b
@@ -761,13 +835,20 @@ cdef class DeviceCachingAllocator:
 
     # ------------------------------------------------------------------------- segments
 
-    cdef int _alloc_block(self, BlockPool* pool, uintptr_t stream, size_t alloc_size, bint is_retry,
-                          Block** out) except -1:
-        """Allocate a new segment of `alloc_size` bytes; 0 and *out set, or BACKEND_OOM."""
+    cdef int _alloc_block(self, BlockPool* pool, uintptr_t stream, size_t alloc_size, size_t size,
+                          bint is_retry, Block** out) except -1:
+        """Get new device memory for a request of `size` rounded bytes: 0 and *out set (a free
+        block out of any pool), or BACKEND_OOM.
+
+        Ordinarily a new segment of `alloc_size` bytes; with expandable segments, pages mapped into
+        the stream's expandable segment.
+        """
         if is_retry:
             self.num_alloc_retries += 1
         if self.allowed_memory_maximum and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
             return BACKEND_OOM
+        if self.expandable_segments:
+            return self._try_allocate_expandable_block(pool, stream, size, out)
         cdef uintptr_t ptr = 0
         if self.backend.segment_alloc(alloc_size, &ptr) == BACKEND_OOM:
             return BACKEND_OOM
@@ -798,15 +879,283 @@ cdef class DeviceCachingAllocator:
         return 0
 
     cdef int _release_blocks(self, BlockPool* pool) except -1:
-        """Release every cached block of `pool` that is a whole segment."""
+        """Release every cached block of `pool` that is a whole segment, and unmap the whole free
+        pages of expandable segments."""
         cdef BlockSet.iterator it = pool.blocks.begin()
         cdef Block* b
+        cdef vector[Block*] to_unmap
         while it != pool.blocks.end():
             b = deref(it)
             inc(it)
-            if not b.is_split() and not b.expandable:
+            if b.expandable:
+                # Unmapping changes the pool; collect first so the iteration stays valid.
+                to_unmap.push_back(b)
+            elif not b.is_split():
                 self._release_block(b)
+        for b in to_unmap:
+            self._unmap_block(b)
         return 0
+
+    # ------------------------------------------------------------------------- expandable segments
+
+    cdef size_t _merge_into(self, Block* dst, Block* src) noexcept:
+        """Absorb neighbour `src` into `dst` when both are free with the same mapped state.
+
+        Returns the bytes absorbed (0: no merge). For the map/unmap paths of expandable segments;
+        dst must not be in a pool set (its key changes).
+        """
+        if (src == NULL or src.allocated or src.event_count > 0 or not src.stream_uses.empty()
+                or dst.mapped != src.mapped):
+            return 0
+        if dst.prev == src:
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev != NULL:
+                dst.prev.next = dst
+            if src.segment_context_id:
+                dst.segment_context_id = src.segment_context_id
+        else:
+            dst.next = src.next
+            if dst.next != NULL:
+                dst.next.prev = dst
+        dst.size += src.size
+        if src.mapped:
+            dst.pool.blocks.erase(src)
+        else:
+            dst.pool.unmapped.erase(src)
+        self._delete_block(src)
+        return dst.size
+
+    cdef Block* _find_expandable_block(self, BlockPool* pool, uintptr_t stream, size_t size) except NULL:
+        """The lowest free-or-unmapped run of `stream`'s expandable segment with room for `size`
+        bytes, starting at a free block just before the unmapped range when there is one; a new
+        segment (all unmapped) when none has room."""
+        cdef Block key
+        key.stream = stream
+        key.ptr = 0
+        cdef UnmappedSet.iterator it = pool.unmapped.lower_bound(&key)
+        cdef Block* candidate
+        cdef Block* walk
+        cdef size_t room
+        while it != pool.unmapped.end() and deref(it).stream == stream:
+            candidate = deref(it)
+            inc(it)
+            if is_free(candidate.prev):
+                candidate = candidate.prev
+            room = 0
+            walk = candidate
+            while room < size and is_free(walk):
+                room += walk.size
+                walk = walk.next
+            if room >= size:
+                return candidate
+        cdef size_t free_bytes = 0, total_bytes = 0
+        self.backend.memory_info(&free_bytes, &total_bytes)
+        cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
+        cdef size_t va_size = reservation_size(total_bytes, page)
+        cdef uintptr_t base = 0
+        self.backend.vm_reserve(va_size, &base)
+        cdef ExpandableSegment* seg = new_segment_struct()
+        seg.base = base
+        seg.size = va_size
+        seg.page_size = page
+        seg.stream = stream
+        seg.pool = pool
+        self.expandable_segments_list.push_back(seg)
+        candidate = self._new_block(stream, va_size, pool, base)
+        candidate.mapped = False
+        candidate.expandable = True
+        candidate.segment = seg
+        pool.unmapped.insert(candidate)
+        return candidate
+
+    cdef int _map_block(self, Block* to_map, size_t size) except -1:
+        """Map the whole pages covering the first `size` bytes of unmapped block `to_map`.
+
+        Returns 1 on success (to_map becomes a free mapped block, merged with free neighbours and
+        in the pool) or 0 when the device is out of memory.
+        """
+        cdef ExpandableSegment* seg = to_map.segment
+        cdef size_t page = seg.page_size
+        cdef size_t mapped = ((size + page - 1) // page) * page
+        if mapped > to_map.size:
+            mapped = to_map.size
+        if self.backend.vm_map(to_map.ptr, mapped) == BACKEND_OOM:
+            return 0
+        cdef BlockPool* pool = to_map.pool
+        pool.unmapped.erase(to_map)
+        to_map.mapped = True
+        cdef Block* rest
+        if mapped < to_map.size:
+            rest = self._new_block(to_map.stream, to_map.size - mapped, pool, to_map.ptr + mapped)
+            rest.mapped = False
+            rest.expandable = True
+            rest.segment = seg
+            rest.prev = to_map
+            rest.next = to_map.next
+            if rest.next != NULL:
+                rest.next.prev = rest
+            to_map.next = rest
+            to_map.size = mapped
+            pool.unmapped.insert(rest)
+        cdef uintptr_t mapped_at = to_map.ptr
+        self._merge_into(to_map, to_map.prev)
+        self._merge_into(to_map, to_map.next)
+        self._pool_insert(pool, to_map)
+        self.total_allocated_memory += mapped
+        self._stat(ST_RESERVED_BYTES, pool, <int64_t>mapped)
+        self.num_device_alloc += 1
+        self._trace(TR_SEGMENT_MAP, mapped_at, mapped, to_map.stream, 0)
+        return 1
+
+    cdef int _try_allocate_expandable_block(self, BlockPool* pool, uintptr_t stream, size_t size,
+                                            Block** out) except -1:
+        """Grow `stream`'s expandable segment until a free block of `size` bytes exists there."""
+        cdef Block* candidate = self._find_expandable_block(pool, stream, size)
+        cdef Block* following
+        cdef size_t want
+        if not candidate.mapped:
+            if not self._map_block(candidate, min(candidate.size, size)):
+                return BACKEND_OOM
+        # The mapped candidate may merge away; its free run continues with unmapped blocks.
+        while candidate.size < size:
+            following = candidate.next
+            want = size - candidate.size
+            if not self._map_block(following, min(want, following.size)):
+                return BACKEND_OOM
+            # following merged into the block before it, which now spans candidate's range.
+            candidate = following
+        pool.blocks.erase(candidate)
+        out[0] = candidate
+        return 0
+
+    cdef int _unmap_block(self, Block* b) except -1:
+        """Unmap the whole pages inside free expandable block `b`; partial pages stay mapped."""
+        cdef ExpandableSegment* seg = b.segment
+        cdef size_t page = seg.page_size
+        cdef uintptr_t offset = b.ptr - seg.base
+        cdef uintptr_t first = seg.base + ((offset + page - 1) // page) * page
+        cdef uintptr_t last = seg.base + ((offset + b.size) // page) * page
+        if first >= last:
+            return 0
+        # Work queued on the segment's stream may still use these pages.
+        self.backend.stream_synchronize(seg.stream)
+        self.backend.vm_unmap(first, last - first)
+        cdef BlockPool* pool = b.pool
+        pool.blocks.erase(b)
+        cdef Block* piece
+        if first > b.ptr:
+            piece = self._new_block(b.stream, first - b.ptr, pool, b.ptr)
+            piece.expandable = True
+            piece.segment = seg
+            piece.prev = b.prev
+            if piece.prev != NULL:
+                piece.prev.next = piece
+            piece.next = b
+            b.prev = piece
+            self._pool_insert(pool, piece)
+        if b.ptr + b.size > last:
+            piece = self._new_block(b.stream, b.ptr + b.size - last, pool, last)
+            piece.expandable = True
+            piece.segment = seg
+            piece.next = b.next
+            if piece.next != NULL:
+                piece.next.prev = piece
+            piece.prev = b
+            b.next = piece
+            self._pool_insert(pool, piece)
+        b.ptr = first
+        b.size = last - first
+        b.mapped = False
+        self._merge_into(b, b.prev)
+        self._merge_into(b, b.next)
+        pool.unmapped.insert(b)
+        self.total_allocated_memory -= last - first
+        self._stat(ST_RESERVED_BYTES, pool, -<int64_t>(last - first))
+        self.num_device_free += 1
+        self._trace(TR_SEGMENT_UNMAP, first, last - first, b.stream, 0)
+        if b.prev == NULL and b.next == NULL:
+            # Nothing of the segment is mapped any more: give the address space back.
+            pool.unmapped.erase(b)
+            self.backend.vm_release(seg.base, seg.size)
+            for i in range(self.expandable_segments_list.size()):
+                if self.expandable_segments_list[i] == seg:
+                    self.expandable_segments_list[i] = self.expandable_segments_list.back()
+                    self.expandable_segments_list.pop_back()
+                    break
+            free_segment_struct(seg)
+            self._delete_block(b)
+        return 0
+
+    def expandable_segment_sizes(self):
+        """One (stream, is_small_pool, mapped_bytes) per live expandable segment, default stream
+        included (PyTorch's getExpandableSegmentSizes skips it). Bytes are currently mapped bytes."""
+        cdef vector[Block*] blocks
+        cdef ExpandableSegment* seg
+        cdef Block* b
+        out = []
+        self._lock()
+        try:
+            self._collect_blocks(&blocks)
+            mapped = {}
+            for b in blocks:
+                if b.expandable and b.mapped:
+                    key = <uintptr_t>b.segment
+                    mapped[key] = mapped.get(key, 0) + b.size
+            for i in range(self.expandable_segments_list.size()):
+                seg = self.expandable_segments_list[i]
+                out.append((seg.stream, seg.pool.is_small, mapped.get(<uintptr_t>seg, 0)))
+        finally:
+            self._unlock()
+        return out
+
+    def warm_up(self, sizes):
+        """Map memory ahead of time: `sizes` is a list like expandable_segment_sizes() returns.
+
+        For each (stream, is_small_pool, nbytes), the stream's expandable segment of that pool is
+        grown until it has nbytes mapped, so a steady state that needs no more makes no map call.
+        Needs expandable_segments:True. Raises OutOfMemoryError when the device cannot back it.
+        """
+        if not self.expandable_segments:
+            raise RuntimeError("warm_up needs expandable segments: configure expandable_segments:True")
+        plan = []
+        for entry in sizes:
+            try:
+                stream, is_small, nbytes = entry
+            except (TypeError, ValueError):
+                raise TypeError(f"warm_up expects (stream, is_small_pool, bytes) tuples, got {entry!r}") from None
+            plan.append((stream_handle(stream), bool(is_small), request_size(nbytes)))
+        cdef Block* b
+        cdef BlockPool* pool
+        cdef size_t have
+        for stream, is_small, nbytes in plan:
+            pool = self.small_blocks if is_small else self.large_blocks
+            self._lock()
+            try:
+                have = self._mapped_bytes(pool, stream)
+                if nbytes > have:
+                    if self._try_allocate_expandable_block(pool, stream, nbytes - have, &b) == BACKEND_OOM:
+                        self._record_oom(nbytes - have)
+                        rc = BACKEND_OOM
+                    else:
+                        self._pool_insert(pool, b)
+                        rc = 0
+                else:
+                    rc = 0
+            finally:
+                self._unlock()
+            if rc == BACKEND_OOM:
+                self._raise_oom(nbytes - have)
+
+    cdef size_t _mapped_bytes(self, BlockPool* pool, uintptr_t stream) noexcept:
+        cdef size_t total = 0
+        cdef Block* b
+        cdef vector[Block*] blocks
+        self._collect_blocks(&blocks)
+        for b in blocks:
+            if b.expandable and b.mapped and b.pool == pool and b.stream == stream:
+                total += b.size
+        return total
 
     cdef int _release_cached_blocks(self) except -1:
         """The full flush: wait for events, then release every unsplit cached segment."""
@@ -916,14 +1265,15 @@ cdef class DeviceCachingAllocator:
         cdef size_t alloc_size = segment_size_for(size)
         if self._gc_enabled():
             self._garbage_collect()
-        if (self._alloc_block(pool, stream, alloc_size, False, &b) == BACKEND_OOM
+        if (self._alloc_block(pool, stream, alloc_size, size, False, &b) == BACKEND_OOM
                 and not (self._release_available_cached_blocks(pool, stream, size)
-                         and self._alloc_block(pool, stream, alloc_size, False, &b) == 0)
+                         and self._alloc_block(pool, stream, alloc_size, size, False, &b) == 0)
                 and not (self._release_cached_blocks() == 0
-                         and self._alloc_block(pool, stream, alloc_size, True, &b) == 0)):
+                         and self._alloc_block(pool, stream, alloc_size, size, True, &b) == 0)):
             self._record_oom(alloc_size)
             return BACKEND_OOM
-        b.segment_context_id = context_id
+        if b.prev == NULL and not b.segment_context_id:
+            b.segment_context_id = context_id
         out[0] = self._alloc_found_block(b, False, orig_size, size, context_id)
         return 0
 
@@ -1162,6 +1512,7 @@ cdef class DeviceCachingAllocator:
     cdef void _collect_blocks(self, vector[Block*]* out) noexcept:
         """Every block the allocator owns: free ones from the pools, the rest from active_blocks."""
         cdef BlockSet.iterator it
+        cdef UnmappedSet.iterator uit
         cdef BlockPool* pools[2]
         cdef BlockPool* pool
         pools[0] = self.small_blocks
@@ -1172,6 +1523,10 @@ cdef class DeviceCachingAllocator:
             while it != pool.blocks.end():
                 out.push_back(deref(it))
                 inc(it)
+            uit = pool.unmapped.begin()
+            while uit != pool.unmapped.end():
+                out.push_back(deref(uit))
+                inc(uit)
         self.active_blocks.values(out)
 
     def _segments(self):
@@ -1191,10 +1546,22 @@ cdef class DeviceCachingAllocator:
             for head in blocks:
                 if head.prev != NULL:
                     continue
-                seg_blocks = []
-                total = 0
+                # A cudaMalloc segment is one entry; an expandable segment is one entry per
+                # contiguous mapped range (PyTorch's snapshot convention).
+                seg_blocks = None
                 b = head
                 while b != NULL:
+                    if not b.mapped:
+                        seg_blocks = None
+                        b = b.next
+                        continue
+                    if seg_blocks is None:
+                        seg_blocks = []
+                        segments.append({
+                            "address": b.ptr, "total_size": 0, "stream": b.stream,
+                            "is_small": b.pool.is_small, "is_expandable": b.expandable,
+                            "context_id": b.segment_context_id, "blocks": seg_blocks,
+                        })
                     seg_blocks.append({
                         "address": b.ptr, "size": b.size,
                         "requested_size": b.requested_size,
@@ -1202,13 +1569,8 @@ cdef class DeviceCachingAllocator:
                         "pending_free": (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty()),
                         "metadata_id": b.metadata_id, "context_id": b.context_id,
                     })
-                    total += b.size
+                    segments[-1]["total_size"] += b.size
                     b = b.next
-                segments.append({
-                    "address": head.ptr, "total_size": total, "stream": head.stream,
-                    "is_small": head.pool.is_small, "is_expandable": head.expandable,
-                    "context_id": head.segment_context_id, "blocks": seg_blocks,
-                })
         finally:
             self._unlock()
         segments.sort(key=lambda s: s["address"])
@@ -1292,10 +1654,20 @@ cdef class DeviceCachingAllocator:
                     assert b.size % kMinBlockSize == 0, f"block {b.ptr:#x} size {b.size} not a multiple of 512"
                     is_free = (not b.allocated) and b.event_count == 0 and b.stream_uses.empty()
                     in_pool = b.pool.blocks.contains(b)
+                    in_unmapped = b.pool.unmapped.find(b) != b.pool.unmapped.end()
                     in_active = self.active_blocks.get(b.ptr) != NULL
+                    assert b.expandable == head.expandable, f"block {b.ptr:#x}: expandable flag differs in its segment"
+                    if not b.mapped:
+                        assert b.expandable and is_free and in_unmapped and not in_pool and not in_active, (
+                            f"unmapped block {b.ptr:#x} misfiled")
+                        assert (b.ptr - b.segment.base) % b.segment.page_size == 0 and b.size % b.segment.page_size == 0, (
+                            f"unmapped block {b.ptr:#x} is not whole pages")
+                        b = b.next
+                        continue
+                    assert not in_unmapped, f"mapped block {b.ptr:#x} in the unmapped set"
                     assert is_free == in_pool, f"block {b.ptr:#x}: free={is_free} but in_pool={in_pool}"
                     assert (not is_free) == in_active, f"block {b.ptr:#x}: active map disagrees"
-                    if is_free and b.next != NULL:
+                    if is_free and b.next != NULL and b.next.mapped:
                         nxt_free = (not b.next.allocated) and b.next.event_count == 0 and b.next.stream_uses.empty()
                         assert not nxt_free, f"free neighbours {b.ptr:#x} and {b.next.ptr:#x} not merged"
                     if b.allocated:
@@ -1310,7 +1682,8 @@ cdef class DeviceCachingAllocator:
                         recount[ST_INACTIVE_SPLIT_BYTES][p] += b.size
                     seg_size += b.size
                     b = b.next
-                recount[ST_SEGMENT][p] += 1
+                if not head.expandable:
+                    recount[ST_SEGMENT][p] += 1     # expandable maps are not counted as segments
                 recount[ST_RESERVED_BYTES][p] += seg_size
             for k in range(NUM_STATS):
                 recount[k][0] = recount[k][1] + recount[k][2]

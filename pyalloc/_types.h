@@ -26,6 +26,17 @@ namespace pyalloc {
 struct Block;
 struct BlockPool;
 
+// One expandable segment: a reservation of virtual address space whose pages are mapped to
+// physical memory on demand. The core tracks which ranges are mapped as blocks (mapped = false for
+// unmapped ranges); the backend keeps the physical handles.
+struct ExpandableSegment {
+    uintptr_t base;        // first address of the reservation
+    size_t size;           // bytes of address space reserved, a multiple of page_size
+    size_t page_size;      // bytes mapped at a time: 2 MiB (small pool) or 20 MiB (large pool)
+    uintptr_t stream;      // the one stream whose blocks live here
+    BlockPool* pool;
+};
+
 // Best-fit order: (stream, size, address). lower_bound with a key block of the request's stream and
 // rounded size finds the smallest block of that stream that fits, lowest address first on ties.
 struct BlockBySize {
@@ -53,6 +64,7 @@ struct Block {
     bool allocated = false;        // handed out and not yet freed by the caller
     bool mapped = true;            // false for unmapped address space of an expandable segment
     bool expandable = false;       // part of an expandable segment
+    ExpandableSegment* segment = nullptr;  // that segment, when expandable
     int event_count = 0;           // outstanding cross-stream events recorded at free
     int64_t gc_count_base = 0;     // pool->get_free_blocks_call_count when last inserted
     std::vector<uintptr_t> stream_uses;  // streams added by record_stream (never the alloc stream)
@@ -233,7 +245,7 @@ struct ActiveMap {
 
 struct BlockPool {
     BlockSet blocks;                       // free mapped blocks
-    UnmappedSet unmapped;                  // unmapped ranges of expandable segments
+    UnmappedSet unmapped;                  // unmapped ranges of expandable segments, by (stream, address)
     bool is_small;                         // holds blocks of rounded size <= 1 MiB
     int64_t owner_id;                      // 0 for the default pools, else a private pool's id
     int64_t get_free_blocks_call_count = 0;  // the garbage collector's clock
