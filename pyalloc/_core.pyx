@@ -1557,11 +1557,12 @@ cdef class DeviceCachingAllocator:
                         continue
                     if seg_blocks is None:
                         seg_blocks = []
-                        segments.append({
+                        segment = {
                             "address": b.ptr, "total_size": 0, "stream": b.stream,
                             "is_small": b.pool.is_small, "is_expandable": b.expandable,
                             "context_id": b.segment_context_id, "blocks": seg_blocks,
-                        })
+                        }
+                        segments.append(segment)
                     seg_blocks.append({
                         "address": b.ptr, "size": b.size,
                         "requested_size": b.requested_size,
@@ -1569,7 +1570,7 @@ cdef class DeviceCachingAllocator:
                         "pending_free": (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty()),
                         "metadata_id": b.metadata_id, "context_id": b.context_id,
                     })
-                    segments[-1]["total_size"] += b.size
+                    segment["total_size"] += b.size
                     b = b.next
         finally:
             self._unlock()
