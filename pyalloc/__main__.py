@@ -1,27 +1,396 @@
-"""Command line: `pyalloc replay TRACE` (more commands arrive with the replay issue)."""
+"""Command line: `pyalloc replay TRACE` and `pyalloc tune TRACE` (also `python -m pyalloc ...`).
+
+Both read a memory snapshot recorded by PyTorch (or pyalloc) with history on and replay its
+allocation stream on the simulated device, so they need no GPU. `replay` prints the figures of one
+setting; `tune` ranks a grid of settings by peak reserved memory and prints the best one as a
+PYTORCH_CUDA_ALLOC_CONF line.
+
+Exit status: 0 on success, 2 for bad input (a usage error, a file that is not a readable snapshot,
+a snapshot without a trace, a malformed setting string, a setting this pyalloc cannot replay), each
+reported as one line on stderr, 130 when interrupted.
+"""
+from __future__ import annotations
+
 import argparse
 import json
+import os
+import re
 import sys
+from fractions import Fraction
+
+# Sizes accepted by --device-memory: a byte count, or a number with one of these units.
+SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+
+# A progress bar appears only for work still running after this many seconds, so quick runs
+# print nothing extra (tests set it to 0).
+PROGRESS_DELAY_S = 1.0
 
 
-def main(argv=None):
-    from pyalloc.replay import replay
+class CliError(Exception):
+    """Bad input: printed as one line `pyalloc: error: ...` and exit status 2."""
 
-    parser = argparse.ArgumentParser(prog="pyalloc", description="PyTorch's CUDA caching allocator, replayable")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("replay", help="replay a recorded PyTorch memory snapshot on the simulated device")
-    p.add_argument("trace")
-    p.add_argument("--config", default=None)
-    p.add_argument("--placement", choices=("recorded", "fresh"), default="recorded")
-    p.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    result = replay(args.trace, config=args.config, placement=args.placement)
+
+def parse_size(text: str) -> int:
+    """Bytes from '85899345920', '80GiB', '40GB', '512MiB', '1.5TiB' (units: B, KB, MB, GB, TB
+    are powers of 1000; KiB, MiB, GiB, TiB powers of 1024; case-insensitive).
+    ValueError naming the text for anything else, for 0, for a fraction of a byte and for sizes of
+    2**64 bytes or more."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise ValueError(f"invalid size {text!r}: expected a number of bytes or a number with a unit "
+                         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB")
+    number, unit = match.groups()
+    scale = SIZE_UNITS.get(unit.lower() if unit else "b")
+    if scale is None:
+        raise ValueError(f"invalid size {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB "
+                         "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+    value = Fraction(number) * scale
+    if value.denominator != 1:
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes ({float(value)})")
+    if value <= 0:
+        raise ValueError(f"invalid size {text!r}: the device needs at least one byte")
+    if value >= 1 << 64:
+        raise ValueError(f"invalid size {text!r}: at most 2**64 - 1 bytes")
+    return int(value)
+
+
+def _size_arg(text):
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _device_arg(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a device ordinal >= 0, got {text!r}")
+    return value
+
+
+class _Progress:
+    """A progress bar on stderr (tqdm) when stderr is a terminal; otherwise it does nothing.
+
+    Called as progress(done, total). The bar shows up only once the work has lasted
+    PROGRESS_DELAY_S seconds and is erased when closed, so results print on a clean line."""
+
+    def __init__(self, desc: str, unit: str):
+        self._bar = None
+        stream = sys.stderr
+        if not (hasattr(stream, "isatty") and stream.isatty()):
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:   # a progress bar is a nicety: never fail a replay for it
+            return
+        self._bar = tqdm(desc=desc, unit=unit, unit_scale=unit != "setting", delay=PROGRESS_DELAY_S,
+                         file=stream, leave=False, dynamic_ncols=True)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is None:
+            return
+        if self._bar.total != total:
+            self._bar.total = total
+        self._bar.update(done - self._bar.n)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _json_safe(value):
+    from pyalloc.tune import _json_safe as safe
+    return safe(value)
+
+
+def _warn(message: str) -> None:
+    print(f"pyalloc: warning: {message}", file=sys.stderr)
+
+
+# -- shared steps -------------------------------------------------------------------------------------
+
+def _load_trace(path: str, device: int):
+    """The snapshot dict and its trace entries, or CliError with SnapshotError's message."""
+    from pyalloc.replay import trace_entries
+    from pyalloc.snapshot import SnapshotError, load
+
+    try:
+        snapshot = load(path)
+        entries = trace_entries(snapshot, device)
+    except SnapshotError as err:
+        raise CliError(str(err)) from None
+    return snapshot, entries
+
+
+def _config_error(err, what: str) -> CliError:
+    # ConfigError's message shows the string and a caret on two more lines; the command line
+    # reports bad input on one line, with the position in words.
+    first = str(err).splitlines()[0]
+    position = getattr(err, "position", None)
+    where = f" (at character {position})" if position is not None else ""
+    return CliError(f"{what}: {first}{where}")
+
+
+def _check_config(config: str, what: str):
+    """The parsed settings of `config`, or CliError for a malformed or unsupported string."""
+    from pyalloc.config import ConfigError, CudaAllocatorConfig
+    from pyalloc.tune import unsupported_reason
+
+    try:
+        settings = CudaAllocatorConfig(config)
+        reason = unsupported_reason(config)
+    except ConfigError as err:
+        raise _config_error(err, what) from None
+    if reason is not None:
+        raise CliError(f"{what} {config!r} cannot be replayed by this pyalloc: {reason}")
+    return settings
+
+
+def _wrapped_warning(entries) -> None:
+    from pyalloc.replay import looks_wrapped
+    if looks_wrapped(entries):
+        _warn("the trace starts in the middle of the run (its ring buffer wrapped, or recording "
+              "started late: it frees blocks it never saw allocated); the figures cover only the "
+              "recorded window. Record with a larger max_entries to see the whole run.")
+
+
+def _pct(part, whole):
+    return f"{100.0 * part / whole:.2f}%" if whole else "-"
+
+
+# -- replay -----------------------------------------------------------------------------------------
+
+def _dump_writer(path: str):
+    """A callable(allocator) that writes the allocator's snapshot to `path`, or CliError when this
+    pyalloc has no snapshot writer yet."""
+    from pyalloc import snapshot as snapshot_module
+    from pyalloc.allocator import CachingAllocator
+
+    dump = getattr(snapshot_module, "dump", None)
+    if not callable(dump) or not callable(getattr(CachingAllocator, "snapshot", None)):
+        raise CliError("--dump is not available yet: this pyalloc has no snapshot writer "
+                       "(pyalloc.snapshot.dump and CachingAllocator.snapshot)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"--dump {path!r}: folder {folder!r} does not exist")
+
+    def write(allocator):
+        try:
+            dump(allocator.snapshot(), path)
+        except OSError as err:
+            raise CliError(f"--dump {path!r}: {err.strerror or err}") from None
+    return write
+
+
+def _cmd_replay(args) -> int:
+    from pyalloc.errors import format_bytes
+    from pyalloc.replay import DEFAULT_DEVICE_MEMORY, replay
+    from pyalloc.tune import _settings_key, recorded_config
+
+    snapshot, entries = _load_trace(args.trace, args.device)
+    own = recorded_config(snapshot)
+    if args.config is None:
+        config, what = own, "the trace's own setting"
+    else:
+        config, what = args.config, "--config"
+    try:
+        settings = _check_config(config, what)
+    except CliError as err:
+        if args.config is None:   # the trace's own setting: another one may still replay
+            raise CliError(f"{err}; pass --config to replay it under another setting") from None
+        raise
+    placement = args.placement
+    if placement is None:
+        # Recorded addresses belong to the sequence of segments the trace's own setting asked
+        # for; under another setting they would land on unrelated segments.
+        try:
+            same = _settings_key(settings) == _settings_key(_check_config(own, "own"))
+        except CliError:
+            same = False
+        placement = "recorded" if same else "fresh"
+    on_finish = _dump_writer(args.dump) if args.dump else None
+    _wrapped_warning(entries)
+    device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
+    with _Progress("replay", "ev") as bar:
+        try:
+            result = replay(snapshot, config=config, placement=placement, device_memory=device_memory,
+                            device=args.device, progress=bar, on_finish=on_finish)
+        except RuntimeError as err:
+            if placement != "recorded":
+                raise
+            # The simulated device refuses a recorded address that overlaps a live segment: the
+            # trace's segment sequence does not fit this replay.
+            raise CliError(f"replay at the trace's addresses failed ({err}); "
+                           "try --placement fresh") from None
+    out = result.as_dict()
+    out.update(trace=args.trace, device=args.device, device_memory=device_memory,
+               own_config=own, dumped=args.dump)
+    if args.json:
+        print(json.dumps(_json_safe(out)))
+        return 0
+    r = result
+
+    def line(name, value):
+        print(f"{name + ':':<24}{value}")
+
+    line("trace", f"{args.trace} ({r.events:,} events, {r.allocations:,} allocations, device {args.device})")
+    line("setting", (config or "(defaults)") + ("  (the trace's own)" if config == own else ""))
+    line("placement", "recorded (segments at the trace's addresses)" if placement == "recorded"
+         else "fresh (segments where the simulated device puts them)")
+    line("device memory", f"{format_bytes(device_memory)} ({device_memory:,} bytes)")
+    for name, value in (("peak reserved", r.peak_reserved), ("peak allocated", r.peak_allocated),
+                        ("peak requested", r.peak_requested)):
+        line(name, f"{format_bytes(value)} ({value:,} bytes)")
+    line("reserved / requested", f"{r.reserved_over_requested:.4f}" if r.peak_requested else "-")
+    line("device allocations", f"{r.num_device_alloc:,}")
+    line("out-of-memory events", f"{r.num_ooms:,}" + (
+        "  (each failed allocation was skipped, and the replay went on)" if r.num_ooms else ""))
+    if placement == "recorded":
+        line("at the trace's address", f"{r.address_matches:,} of {r.allocations:,} allocations "
+                                       f"({_pct(r.address_matches, r.allocations)})")
+    else:
+        line("at the trace's address", "- (fresh placement)")
+    line("speed", f"{r.events_per_second:,.0f} events/s ({r.events:,} events in {r.seconds:.3f} s)")
+    if args.dump:
+        line("snapshot written to", args.dump)
+    return 0
+
+
+# -- tune -------------------------------------------------------------------------------------------
+
+def _cmd_tune(args) -> int:
+    from pyalloc.config import ConfigError, CudaAllocatorConfig
+    from pyalloc.snapshot import SnapshotError
+    from pyalloc.tune import format_report, tune
+
+    for text in args.config or ():
+        try:
+            CudaAllocatorConfig(text)
+        except ConfigError as err:
+            raise _config_error(err, "--config") from None
+    snapshot, entries = _load_trace(args.trace, args.device)
+    _wrapped_warning(entries)
+    # --config alone tries just those settings; --grid adds a whole grid to them.
+    grid = args.grid if args.grid is not None else (None if args.config else "default")
+    with _Progress("tune", "setting") as bar:
+        try:
+            # The path (not the loaded dict) goes to tune: each worker loads the trace itself.
+            result = tune(args.trace, grid=grid, configs=args.config or (), jobs=args.jobs,
+                          device_memory=args.device_memory, device=args.device, progress=bar,
+                          snapshot=snapshot)
+        except SnapshotError as err:
+            raise CliError(str(err)) from None
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
-        for k, v in result.as_dict().items():
-            print(f"{k:>24}: {v}")
+        print(format_report(result))
     return 0
+
+
+# -- entry point ------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyalloc",
+        description="PyTorch's CUDA caching allocator on a simulated device: replay a recorded "
+                    "memory snapshot and find the allocator settings that reserve least.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("trace", metavar="TRACE",
+                        help="memory snapshot (.pickle or .pickle.gz) recorded with "
+                             "torch.cuda.memory._record_memory_history(enabled='all')")
+    common.add_argument("--device-memory", type=_size_arg, default=None, metavar="SIZE",
+                        help="simulated device size: bytes, or a number with a unit: KB, MB, GB, "
+                             "TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); "
+                             "default 80GiB. Out-of-memory events count against it")
+    common.add_argument("--device", type=_device_arg, default=0, metavar="N",
+                        help="which device's trace to replay (default 0)")
+    common.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("replay", parents=[common],
+                       help="replay a trace under one setting and print its figures",
+                       description="Replay a trace's allocations and frees through pyalloc and print "
+                                   "peak reserved/allocated/requested bytes, device allocations, "
+                                   "out-of-memory events and replay speed.")
+    p.add_argument("--config", default=None, metavar="STR",
+                   help="allocator setting string (PYTORCH_CUDA_ALLOC_CONF syntax); default: the "
+                        "trace's own")
+    p.add_argument("--placement", choices=("recorded", "fresh"), default=None,
+                   help="recorded: new segments at the trace's addresses (reproduces PyTorch's "
+                        "figures); fresh: where the simulated device puts them. Default: recorded "
+                        "under the trace's own setting, fresh under another")
+    p.add_argument("--dump", default=None, metavar="PATH", help="write pyalloc's final snapshot here")
+    p.set_defaults(func=_cmd_replay)
+
+    t = sub.add_parser("tune", parents=[common],
+                       help="replay a trace under a grid of settings and rank them",
+                       description="Replay a trace under a grid of allocator settings in parallel, "
+                                   "print them sorted by peak reserved memory, and end with the best "
+                                   "as a PYTORCH_CUDA_ALLOC_CONF line. The trace's own setting is the "
+                                   "baseline: it is replayed at the trace's addresses (PyTorch's own "
+                                   "figures) and, like every other setting, with fresh placement; the "
+                                   "table compares the fresh replays, so that savings come from the "
+                                   "settings rather than from where the driver put segments. "
+                                   "garbage_collection_threshold acts only under a "
+                                   "per_process_memory_fraction below 1, a share of --device-memory: "
+                                   "give your GPU's size there.")
+    t.add_argument("--grid", choices=("default", "wide"), default=None,
+                   help="settings to try (default: 'default', or none when --config is given)")
+    t.add_argument("--config", action="append", metavar="STR",
+                   help="a setting string to try (repeatable); without --grid only these run")
+    t.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
+                   help="worker processes (default: the number of CPUs)")
+    t.set_defaults(func=_cmd_tune)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line with `argv` (default sys.argv[1:]); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:   # --help, or a usage error argparse has already reported
+        return exit.code if isinstance(exit.code, int) else 2
+    try:
+        return args.func(args)
+    except CliError as err:
+        print(f"pyalloc: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pyalloc: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Whoever read the output (`| head`) has gone: stop quietly. Pointing stdout at devnull
+        # keeps the interpreter's final flush from raising again (Python's documented recipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

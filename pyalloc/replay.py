@@ -98,7 +98,8 @@ def recorded_reservations(snapshot, entries, device_memory, device=0):
     return sorted(reservations, key=first_map)
 
 
-def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None):
+def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None,
+           on_finish=None):
     """Replay a snapshot's allocation stream through a CachingAllocator on a SimDevice.
 
     Args:
@@ -110,6 +111,8 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         device_memory: simulated device size in bytes (default 80 GiB).
         device: which device's trace to replay.
         progress: optional callable(done_events, total_events), called every 4096 events.
+        on_finish: optional callable(allocator), called with the CachingAllocator once the last
+            event is replayed and before the figures are read (e.g. to write its snapshot).
     Returns a ReplayResult.
     """
     if placement not in ("recorded", "fresh"):
@@ -153,6 +156,8 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     seconds = time.perf_counter() - started
     if progress is not None:
         progress(total, total)
+    if on_finish is not None:
+        on_finish(alloc)
     stats = alloc.memory_stats()
     return ReplayResult(
         config=config, placement=placement,

@@ -1,0 +1,455 @@
+"""Search allocator settings for a recorded trace: replay it under a grid of settings, in parallel.
+
+`tune(trace)` replays one allocation stream under many PYTORCH_CUDA_ALLOC_CONF settings on the
+simulated device and ranks them by peak reserved memory (bytes), the figure that decides whether a
+run fits on its GPU.
+
+Placement, and why the table compares fresh replays:
+  * The trace's own setting is replayed twice. With *recorded placement* (new segments at the
+    addresses of the trace's segment_alloc entries) a faithful replay reproduces PyTorch's own
+    figures exactly; that run checks the replay and is reported as the baseline "as recorded".
+  * Every setting, the trace's own included, is also replayed with *fresh placement* (segments
+    where the simulated device puts them). Recorded placement is meaningless for other settings:
+    they ask for a different sequence of segment sizes, so the recorded addresses would be handed
+    out to unrelated segments (or collide with live ones). But placement is not neutral: best fit
+    breaks ties between equal free blocks by address, so where segments sit changes which block
+    gets split, and with it fragmentation (on the shared ResNet trace the trace's own setting
+    reserves about 0.2% more under fresh placement than at PyTorch's addresses). Comparing a
+    recorded baseline with fresh candidates would mix that placement effect into every saving.
+    So the table, and each saving, compares settings on the same footing: all fresh, savings
+    against the trace's own setting replayed fresh. The recorded baseline is reported beside it,
+    and the gap between the two (the placement effect) is the noise floor below which a saving
+    says little.
+
+Parallelism: a ProcessPoolExecutor whose workers each load the trace once (pool initializer) and
+then replay one setting per task; results do not depend on the number of workers.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shlex
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+from pyalloc.config import CudaAllocatorConfig
+from pyalloc.errors import format_bytes
+from pyalloc.replay import DEFAULT_DEVICE_MEMORY, ReplayResult, looks_wrapped, replay, trace_entries
+from pyalloc.snapshot import load
+
+GRIDS = ("default", "wide")
+ENV_NAME = "PYTORCH_CUDA_ALLOC_CONF"
+
+# roundup_power2_divisions list forms. The first is the example of PyTorch's documentation (coarse
+# rounding for requests below 256 MiB, finer above); the others round small requests finely and
+# large ones more coarsely. None leaves a bucket at 0 between entries (PyTorch would not round it).
+_ROUNDUP_LISTS = ("[256:1,512:2,1024:4,>:8]", "[128:4,>:8]")
+_ROUNDUP_LISTS_WIDE = _ROUNDUP_LISTS + ("[64:8,>:16]", "[32:2,256:4,>:8]")
+
+# garbage_collection_threshold acts only while a per-process memory fraction below 1 is in force
+# (reference 1.9): the threshold is a share of fraction x device memory. 0.99 switches collection
+# on while giving up almost none of the device.
+_GC_FRACTIONS = (0.99,)
+_GC_FRACTIONS_WIDE = (0.9, 0.99)
+
+
+def grid_settings(grid: str = "default") -> list[str]:
+    """The candidate setting strings of the named grid ("default" or "wide"), in a fixed order.
+
+    Settings this build cannot replay yet (expandable_segments before it is implemented) are
+    listed too; tune() reports them as skipped (see unsupported_reason).
+    """
+    if grid not in GRIDS:
+        raise ValueError(f"grid must be one of {', '.join(map(repr, GRIDS))}, got {grid!r}")
+    wide = grid == "wide"
+    out = []
+    split_mb = (32, 64, 128, 256, 512, 1024, 2048) if wide else (64, 128, 256, 512)
+    out += [f"max_split_size_mb:{mb}" for mb in split_mb]
+    divisions = (2, 4, 8, 16, 32) if wide else (2, 4, 8, 16)
+    out += [f"roundup_power2_divisions:{d}" for d in divisions]
+    out += [f"roundup_power2_divisions:{r}" for r in (_ROUNDUP_LISTS_WIDE if wide else _ROUNDUP_LISTS)]
+    # max_non_split_rounding_mb matters only for blocks at least max_split_size big (oversize
+    # blocks), so it is always paired with a max_split_size_mb.
+    pairs = ((128, 256, 512), (64, 256, 1024)) if wide else ((128, 512), (64, 512))
+    out += [f"max_split_size_mb:{s},max_non_split_rounding_mb:{r}" for s in pairs[0] for r in pairs[1]]
+    thresholds = (0.5, 0.6, 0.7, 0.8, 0.9) if wide else (0.6, 0.8)
+    out += [f"garbage_collection_threshold:{t},per_process_memory_fraction:{f}"
+            for f in (_GC_FRACTIONS_WIDE if wide else _GC_FRACTIONS) for t in thresholds]
+    if wide:
+        out += [f"max_split_size_mb:{s},roundup_power2_divisions:{d}" for s in (128, 512) for d in (4, 8)]
+    out.append("expandable_segments:True")
+    if wide:
+        out.append("expandable_segments:True,roundup_power2_divisions:4")
+    return out
+
+
+def _settings_key(settings: CudaAllocatorConfig):
+    # Two strings that mean the same settings ('max_split_size_mb:128' and
+    # 'max_split_size_mb:128,') replay identically: the key ignores the text itself.
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                        for k, v in vars(settings).items() if k != "last_settings_string"))
+
+
+def unsupported_reason(config: str) -> str | None:
+    """None when this pyalloc can replay under the setting string `config`, else the reason (the
+    NotImplementedError message, e.g. for expandable_segments:True before it is implemented).
+    A malformed string raises pyalloc.ConfigError."""
+    from pyalloc.allocator import CachingAllocator
+    from pyalloc._sim import SimDevice
+
+    settings = CudaAllocatorConfig(config)
+    try:
+        CachingAllocator(0, backend=SimDevice(1 << 30), config=settings)
+    except NotImplementedError as err:
+        return str(err) or "not implemented"
+    return None
+
+
+def recorded_config(snapshot: dict) -> str:
+    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say)."""
+    settings = snapshot.get("allocator_settings")
+    if not isinstance(settings, dict):
+        return ""
+    return settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
+@dataclass
+class TuneRow:
+    """One setting's replay. `result` is None when it was skipped or failed (see `error`).
+    saving: bytes of peak reserved saved against the trace's own setting replayed the same way
+    (negative: it reserves more); None when the own setting could not be replayed."""
+    config: str
+    placement: str
+    own: bool                      # the trace's own setting
+    result: ReplayResult | None = None
+    error: str | None = None       # why it was skipped or failed
+    skipped: bool = False          # True: not supported by this pyalloc (not a failure)
+    saving: int | None = None
+
+    @property
+    def saving_fraction(self):
+        """saving / (the own setting's peak reserved), or None."""
+        if self.saving is None or self.result is None:
+            return None
+        own_peak = self.result.peak_reserved + self.saving
+        return self.saving / own_peak if own_peak else None
+
+    def as_dict(self):
+        out = {"config": self.config, "placement": self.placement, "own": self.own}
+        if self.result is not None:
+            out.update(self.result.as_dict())
+            out["config"] = self.config
+        out.update(saving=self.saving, saving_fraction=self.saving_fraction, error=self.error,
+                   skipped=self.skipped)
+        return out
+
+
+@dataclass
+class TuneResult:
+    """What tune() found. rows: the fresh-placement replays that ran, sorted by peak reserved
+    (then device allocations, then grid order); baseline: the trace's own setting at the recorded
+    addresses; skipped / failed: rows that did not run; best: the row to recommend."""
+    trace: str
+    device: int
+    device_memory: int             # bytes of the simulated device
+    events: int
+    allocations: int
+    wrapped: bool
+    own_config: str
+    baseline: TuneRow
+    rows: list[TuneRow] = field(default_factory=list)
+    skipped: list[TuneRow] = field(default_factory=list)
+    failed: list[TuneRow] = field(default_factory=list)
+    best: TuneRow | None = None
+
+    @property
+    def own_fresh(self) -> TuneRow | None:
+        """The trace's own setting replayed with fresh placement (the savings' reference)."""
+        return next((r for r in self.rows if r.own), None)
+
+    @property
+    def best_avoids_oom(self) -> bool:
+        return self.best is not None and self.best.result.num_ooms == 0
+
+    @property
+    def placement_effect(self) -> int | None:
+        """Peak reserved (bytes) of the own setting under fresh minus recorded placement."""
+        fresh = self.own_fresh
+        if fresh is None or self.baseline.result is None:
+            return None
+        return fresh.result.peak_reserved - self.baseline.result.peak_reserved
+
+    def best_line(self) -> str | None:
+        """`PYTORCH_CUDA_ALLOC_CONF=...` for the best setting, quoted for a POSIX shell."""
+        if self.best is None:
+            return None
+        return f"{ENV_NAME}={shlex.quote(self.best.config)}"
+
+    def as_dict(self):
+        """A JSON-ready dict (no NaN or infinity: those become None)."""
+        out = {
+            "trace": self.trace, "device": self.device, "device_memory": self.device_memory,
+            "events": self.events, "allocations": self.allocations, "wrapped": self.wrapped,
+            "own_config": self.own_config, "baseline": self.baseline.as_dict(),
+            "placement_effect": self.placement_effect,
+            "results": [r.as_dict() for r in self.rows],
+            "skipped": [{"config": r.config, "reason": r.error} for r in self.skipped],
+            "failed": [{"config": r.config, "error": r.error} for r in self.failed],
+            "best": self.best.config if self.best else None,
+            "best_avoids_oom": self.best_avoids_oom,
+            "best_line": self.best_line(),
+        }
+        return _json_safe(out)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# -- workers ----------------------------------------------------------------------------------------
+
+_worker_snapshot = None
+
+
+def _slim(snapshot: dict) -> dict:
+    # A worker needs the traces and settings only; dropping `segments` (blocks, frames) saves
+    # memory in every worker.
+    return {"segments": [], "device_traces": snapshot.get("device_traces") or [],
+            "allocator_settings": snapshot.get("allocator_settings")}
+
+
+def _init_worker(source):
+    """Pool initializer: load the trace once per worker (a path, or a snapshot dict)."""
+    global _worker_snapshot
+    _worker_snapshot = _slim(load(source) if not isinstance(source, dict) else source)
+
+
+def _replay_job(job):
+    """Replay one setting on the worker's trace: (index, ReplayResult or None, skipped, error)."""
+    index, config, placement, device_memory, device = job
+    try:
+        result = replay(_worker_snapshot, config=config, placement=placement,
+                        device_memory=device_memory, device=device)
+    except NotImplementedError as err:
+        return index, None, True, str(err) or "not implemented"
+    except Exception as err:  # noqa: BLE001 -- one failing setting must not lose the others
+        return index, None, False, f"{type(err).__name__}: {err}"
+    return index, result, False, None
+
+
+def _run_jobs(jobs, snapshot, source, workers, progress):
+    """Run the jobs in `workers` processes (in this one for 1) and return results by index."""
+    results = {}
+    total = len(jobs)
+    if progress is not None:
+        progress(0, total)
+    if workers <= 1 or total <= 1:
+        global _worker_snapshot
+        saved, _worker_snapshot = _worker_snapshot, snapshot
+        try:
+            for job in jobs:
+                out = _replay_job(job)
+                results[out[0]] = out
+                if progress is not None:
+                    progress(len(results), total)
+        finally:
+            _worker_snapshot = saved
+        return results
+    # Workers load the trace themselves from its path: passing the loaded dict would pickle the
+    # whole trace to every worker, which costs about as much as loading it.
+    with ProcessPoolExecutor(max_workers=min(workers, total), initializer=_init_worker,
+                             initargs=(source,)) as pool:
+        futures = [pool.submit(_replay_job, job) for job in jobs]
+        try:
+            for future in as_completed(futures):
+                out = future.result()
+                results[out[0]] = out
+                if progress is not None:
+                    progress(len(results), total)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return results
+
+
+# -- the search -------------------------------------------------------------------------------------
+
+def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, device=0,
+         progress=None, snapshot=None) -> TuneResult:
+    """Replay a trace under a grid of allocator settings and rank them by peak reserved bytes.
+
+    Args:
+        trace: path to a snapshot (.pickle / .pickle.gz) or a snapshot dict.
+        grid: "default", "wide" or None (no grid: only `configs`).
+        configs: more setting strings to try (PyTorch's syntax); ConfigError if one is malformed.
+        jobs: worker processes (default os.cpu_count()); 1 replays in this process.
+        device_memory: simulated device size in bytes (default 80 GiB). per_process_memory_fraction
+            and garbage_collection_threshold are relative to it.
+        device: which device's trace to replay.
+        progress: optional callable(done_settings, total_settings).
+        snapshot: the already-loaded dict of `trace` (a path), so that this process does not
+            load it again; worker processes still load it from the path.
+    The trace's own setting is the baseline, replayed at the recorded addresses and fresh; every
+    other setting is replayed fresh (see the module docstring for why). Raises SnapshotError for
+    a file that is not a snapshot or holds no trace for `device`.
+    """
+    if jobs is None:
+        jobs = os.cpu_count() or 1
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    if device_memory is None:
+        device_memory = DEFAULT_DEVICE_MEMORY
+    if isinstance(configs, str):
+        raise TypeError("configs must be a list of setting strings, not one string")
+    candidates = (grid_settings(grid) if grid is not None else []) + list(configs)
+    parsed = [CudaAllocatorConfig(c) for c in candidates]   # ConfigError before any work
+    if snapshot is None:
+        snapshot = trace if isinstance(trace, dict) else load(trace)
+    entries = trace_entries(snapshot, device)
+    own = recorded_config(snapshot)
+
+    rows: list[TuneRow] = []
+    baseline = TuneRow(own, "recorded", own=True)
+    own_fresh = TuneRow(own, "fresh", own=True)
+    try:
+        own_key = _settings_key(CudaAllocatorConfig(own))
+    except ValueError as err:   # a setting pyalloc cannot parse (ConfigError is a ValueError)
+        own_key = None
+        for row in (baseline, own_fresh):
+            reason = str(err).splitlines()[0]   # ConfigError adds the string and a caret below
+            row.error, row.skipped = f"the trace's own setting is not valid here: {reason}", True
+    seen = {own_key}
+    for text, settings in zip(candidates, parsed):
+        key = _settings_key(settings)
+        if key in seen:      # the own setting, or a repeat of an earlier candidate
+            continue
+        seen.add(key)
+        rows.append(TuneRow(text, "fresh", own=False))
+    for row in [baseline, own_fresh] + rows:
+        if row.error is None:
+            reason = unsupported_reason(row.config)
+            if reason is not None:
+                row.error, row.skipped = reason, True
+
+    to_run = [row for row in [baseline, own_fresh] + rows if row.error is None]
+    job_list = [(i, row.config, row.placement, device_memory, device) for i, row in enumerate(to_run)]
+    source = trace if isinstance(trace, dict) else str(trace)
+    outcomes = _run_jobs(job_list, snapshot, source, jobs, progress)
+    for i, row in enumerate(to_run):
+        _, row.result, row.skipped, row.error = outcomes[i]
+
+    ran = [r for r in [own_fresh] + rows if r.result is not None]
+    reference = own_fresh.result
+    if reference is not None:
+        for row in ran:
+            row.saving = reference.peak_reserved - row.result.peak_reserved
+    order = {id(r): i for i, r in enumerate([own_fresh] + rows)}
+    ran.sort(key=lambda r: (r.result.peak_reserved, r.result.num_device_alloc, order[id(r)]))
+    best = None
+    if ran:
+        no_oom = [r for r in ran if r.result.num_ooms == 0]
+        best = no_oom[0] if no_oom else min(
+            ran, key=lambda r: (r.result.num_ooms, r.result.peak_reserved, order[id(r)]))
+    not_run = [r for r in [baseline, own_fresh] + rows if r.result is None]
+    return TuneResult(
+        trace=str(trace) if not isinstance(trace, dict) else "<snapshot>", device=device,
+        device_memory=device_memory, events=len(entries),
+        allocations=sum(1 for e in entries if e["action"] == "alloc"),
+        wrapped=looks_wrapped(entries), own_config=own, baseline=baseline, rows=ran,
+        # The own setting's fresh row repeats the baseline's reason when both were skipped.
+        skipped=[r for r in not_run if r.skipped and not (r is own_fresh and baseline.skipped)],
+        failed=[r for r in not_run if not r.skipped], best=best)
+
+
+# -- the table --------------------------------------------------------------------------------------
+
+def _label(config: str) -> str:
+    return config if config else "(defaults)"
+
+
+def _signed_bytes(n: int) -> str:
+    return ("-" if n < 0 else "+" if n > 0 else "") + format_bytes(abs(n))
+
+
+def format_table(result: TuneResult) -> str:
+    """The ranking as text: one row per setting, sorted by peak reserved, then the best line."""
+    lines = []
+    headers = ("setting", "peak reserved", "/requested", "saving vs own", "device allocs", "OOMs")
+    body = []
+    for row in result.rows:
+        r = row.result
+        ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
+        if row.saving is None:
+            saving = "-"
+        else:
+            frac = row.saving_fraction
+            saving = _signed_bytes(row.saving) + (f" ({frac:+.1%})" if frac is not None else "")
+        body.append(((" * " if row.own else "   ") + _label(row.config), format_bytes(r.peak_reserved),
+                     ratio, saving, f"{r.num_device_alloc:,}", f"{r.num_ooms:,}"))
+    widths = [max(len(h) + (3 if i == 0 else 0), *(len(b[i]) for b in body)) if body else len(h)
+              for i, h in enumerate(headers)]
+    head = ["   " + headers[0]] + list(headers[1:])
+    fmt = lambda cells: "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])
+                                  for i, c in enumerate(cells)).rstrip()
+    lines.append(fmt(head))
+    lines.append("-" * len(lines[-1]))
+    lines += [fmt(b) for b in body]
+    if any(r.own for r in result.rows):
+        lines.append(" *  the trace's own setting; savings are against its row")
+    return "\n".join(lines)
+
+
+def format_report(result: TuneResult) -> str:
+    """The whole human-readable report of `pyalloc tune`: header, table, skipped, best line."""
+    out = [f"trace {result.trace}: {result.events:,} events, {result.allocations:,} allocations, "
+           f"device {result.device}; simulated device of {format_bytes(result.device_memory)} "
+           f"({result.device_memory:,} bytes)"]
+    if result.wrapped:
+        out.append("the trace starts in the middle of the run (wrapped ring buffer or late start): "
+                   "the figures cover only the recorded window")
+    base = result.baseline
+    if base.result is not None:
+        b = base.result
+        out.append(f"trace's own setting {_label(base.config)}, replayed at the trace's addresses: "
+                   f"peak reserved {format_bytes(b.peak_reserved)}, allocated "
+                   f"{format_bytes(b.peak_allocated)}, requested {format_bytes(b.peak_requested)}, "
+                   f"{b.num_device_alloc:,} device allocations, {b.address_matches:,} of "
+                   f"{b.allocations:,} allocations at PyTorch's address")
+    else:
+        out.append(f"trace's own setting {_label(base.config)} was not replayed: {base.error}")
+    out.append("The table replays every setting with fresh placement (segments where the simulated "
+               "device puts them), the own setting included, so that savings come from the settings "
+               "and not from where the driver put segments.")
+    effect = result.placement_effect
+    if effect:
+        out.append(f"Placement alone changes the own setting's peak reserved by {_signed_bytes(effect)} "
+                   "(fresh vs recorded addresses): savings smaller than that say little.")
+    out.append("")
+    out.append(format_table(result))
+    for row in result.skipped:
+        out.append(f"skipped {_label(row.config)}: {row.error}")
+    for row in result.failed:
+        out.append(f"failed  {_label(row.config)}: {row.error}")
+    out.append("")
+    if result.best is None:
+        out.append("no setting could be replayed")
+        return "\n".join(out)
+    best = result.best
+    if not result.best_avoids_oom:
+        out.append(f"every setting ran out of memory on a {format_bytes(result.device_memory)} device; "
+                   "the one with the fewest out-of-memory events:")
+    elif best.own:
+        out.append("the trace's own setting is already the best of this grid:")
+    else:
+        out.append(f"best: {_label(best.config)}, peak reserved {format_bytes(best.result.peak_reserved)}"
+                   + (f", {_signed_bytes(best.saving)} against the trace's own setting"
+                      if best.saving is not None else "") + ":")
+    out.append(result.best_line())
+    return "\n".join(out)

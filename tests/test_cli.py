@@ -1,0 +1,621 @@
+"""Specification of the command line: `pyalloc replay` and `pyalloc tune` (pyalloc/__main__.py,
+pyalloc/tune.py).
+
+Real traces: examples/ (shipped, recorded with tools/record_example_trace.py, PyTorch's figures in
+the .json beside each) and ../shared/traces (PyTorch's figures in torch-peaks.jsonl); tests that
+need the shared traces are skipped, with the reason, where that folder is absent. The rest runs on
+small synthetic traces built here.
+"""
+import gzip
+import io
+import json
+import os
+import pickle
+import random
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pyalloc import __main__ as cli
+from pyalloc import tune as tune_module
+from pyalloc.allocator import CachingAllocator
+from pyalloc.config import CudaAllocatorConfig
+from pyalloc.replay import looks_wrapped, replay
+from pyalloc.snapshot import load
+from pyalloc._sim import SimDevice
+
+MiB = 1 << 20
+GiB = 1 << 30
+REPO = Path(__file__).resolve().parents[1]
+TRACES = Path(os.environ.get("PYALLOC_TRACES", REPO.parent / "shared" / "traces"))
+PEAKS_FILE = TRACES / "torch-peaks.jsonl"
+PEAKS = ([json.loads(line) for line in PEAKS_FILE.read_text().splitlines() if line.strip()]
+         if PEAKS_FILE.exists() else [])
+# Runs whose setting pyalloc replays today; expandable runs join once expandable_segments does.
+REPLAYABLE = [p for p in PEAKS if "expandable" not in p["conf"]]
+needs_traces = pytest.mark.skipif(not PEAKS, reason=f"no shared traces at {TRACES}")
+RESNET = TRACES / "resnet_train-default.pickle.gz"
+EXAMPLES = REPO / "examples"
+EXAMPLE = EXAMPLES / "small_train.pickle.gz"
+EXAMPLE_RUNS = sorted(EXAMPLES.glob("small_train*.pickle.gz"))
+
+JSON_KEYS = {"peak_reserved", "peak_allocated", "peak_requested", "num_device_alloc", "num_ooms",
+             "allocations", "address_matches", "events", "events_per_second"}
+TIMING_KEYS = {"seconds", "events_per_second"}
+
+
+# -- helpers --------------------------------------------------------------------------------------------
+
+def synthetic_snapshot(seed=0, steps=600, conf=""):
+    """A snapshot dict whose trace mixes small, medium and large allocations, freed in random
+    order, on stream 0 (sizes chosen so that max_split_size and rounding change the figures)."""
+    rng = random.Random(seed)
+    entries, live = [], []
+    next_addr = 1 << 40
+
+    def event(action, addr, size):
+        entries.append({"action": action, "addr": addr, "size": size, "stream": 0,
+                        "time_us": len(entries), "compile_context": "N/A", "user_metadata": ""})
+
+    for _ in range(steps):
+        if live and rng.random() < 0.45:
+            addr, size = live.pop(rng.randrange(len(live)))
+            event("free_requested", addr, size)
+            event("free_completed", addr, size)
+        else:
+            size = rng.choice((rng.randrange(1, MiB), rng.randrange(MiB, 64 * MiB),
+                               rng.randrange(64 * MiB, 300 * MiB)))
+            event("alloc", next_addr, size)
+            live.append((next_addr, size))
+            next_addr += 1 << 30
+    return {"segments": [], "device_traces": [entries],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": conf}}
+
+
+def write_snapshot(path, snapshot):
+    with gzip.open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+    return str(path)
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    return write_snapshot(tmp_path / "synthetic.pickle.gz", synthetic_snapshot())
+
+
+def run(capsys, *argv):
+    """main(argv) -> (exit status, stdout, stderr)."""
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def run_json(capsys, *argv):
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0, err
+    return json.loads(out), err
+
+
+def assert_one_line_error(rc, out, err, *fragments):
+    assert rc == 2
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pyalloc: error: ")
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def without_timings(d):
+    return {k: v for k, v in d.items() if k not in TIMING_KEYS}
+
+
+# -- replay ---------------------------------------------------------------------------------------------
+
+def test_replay_json_has_the_documented_keys(capsys, trace_file):
+    data, _ = run_json(capsys, "replay", trace_file)
+    assert JSON_KEYS <= data.keys()
+    entries = synthetic_snapshot()["device_traces"][0]
+    assert data["events"] == len(entries)
+    assert data["allocations"] == sum(e["action"] == "alloc" for e in entries)
+    assert data["events_per_second"] > 0
+
+
+def test_replay_json_figures_are_those_of_the_library_replay(capsys, trace_file):
+    data, _ = run_json(capsys, "replay", trace_file, "--config", "max_split_size_mb:64")
+    expected = replay(trace_file, config="max_split_size_mb:64", placement="fresh").as_dict()
+    for key in ("peak_reserved", "peak_allocated", "peak_requested", "num_device_alloc",
+                "num_ooms", "allocations", "events"):
+        assert data[key] == expected[key], key
+
+
+@needs_traces
+@pytest.mark.parametrize("peaks", REPLAYABLE, ids=lambda p: f"{p['workload']}-{p['tag']}")
+def test_replay_recorded_placement_reproduces_torch_peaks(capsys, peaks):
+    data, _ = run_json(capsys, "replay", TRACES / f"{peaks['workload']}-{peaks['tag']}.pickle.gz")
+    assert data["placement"] == "recorded"
+    assert data["config"] == peaks["conf"]
+    for key in ("peak_reserved", "peak_allocated", "peak_requested", "num_device_alloc"):
+        assert data[key] == peaks[key], key
+    assert data["events"] == peaks["events"]
+    assert data["allocations"] == peaks["actions"]["alloc"]
+    assert data["address_matches"] == data["allocations"]
+    assert data["num_ooms"] == 0
+
+
+def example_peaks(trace):
+    return json.loads(Path(str(trace)[:-len(".pickle.gz")] + ".json").read_text())
+
+
+def test_examples_are_shipped():
+    assert EXAMPLE.exists() and len(EXAMPLE_RUNS) == 3
+
+
+@pytest.mark.parametrize("trace", EXAMPLE_RUNS, ids=lambda p: p.name)
+def test_replay_of_shipped_example_reproduces_its_torch_peaks(capsys, trace):
+    peaks = example_peaks(trace)
+    data, err = run_json(capsys, "replay", trace)
+    assert err == ""
+    assert data["config"] == peaks["conf"]
+    for key in ("peak_reserved", "peak_allocated", "peak_requested", "num_device_alloc"):
+        assert data[key] == peaks[key], key
+    assert data["events"] == peaks["events"]
+    assert data["address_matches"] == data["allocations"] == peaks["actions"]["alloc"]
+
+
+def test_tune_of_the_example_predicts_the_runs_under_other_settings(capsys):
+    # The three example runs did the same allocations under different settings; tuning the
+    # default run must give, for each other setting, the figures PyTorch had under it.
+    others = [example_peaks(t) for t in EXAMPLE_RUNS if t != EXAMPLE]
+    args = sum((["--config", p["conf"]] for p in others), [])
+    data, _ = run_json(capsys, "tune", EXAMPLE, *args, "--jobs", "2")
+    rows = {r["config"]: r for r in data["results"]}
+    for peaks in others:
+        for key in ("peak_reserved", "peak_allocated", "num_device_alloc"):
+            assert rows[peaks["conf"]][key] == peaks[key], (peaks["conf"], key)
+
+
+@needs_traces
+def test_replay_text_output_shows_every_figure(capsys):
+    data, _ = run_json(capsys, "replay", RESNET)
+    rc, out, err = run(capsys, "replay", RESNET)
+    assert rc == 0 and err == ""
+    for label, key in (("peak reserved", "peak_reserved"), ("peak allocated", "peak_allocated"),
+                       ("peak requested", "peak_requested")):
+        assert f"{data[key]:,} bytes" in next(l for l in out.splitlines() if l.startswith(label))
+    assert f"{data['peak_reserved'] / data['peak_requested']:.4f}" in out
+    assert f"device allocations:     {data['num_device_alloc']:,}" in out
+    assert "out-of-memory events:   0" in out
+    assert f"{data['allocations']:,} of {data['allocations']:,} allocations (100.00%)" in out
+    assert "events/s" in out
+
+
+def test_replay_under_another_setting_defaults_to_fresh_placement(capsys, trace_file):
+    data, _ = run_json(capsys, "replay", trace_file, "--config", "roundup_power2_divisions:4")
+    assert data["placement"] == "fresh"
+    data, _ = run_json(capsys, "replay", trace_file)
+    assert data["placement"] == "recorded"
+
+
+def test_replay_placement_option_overrides_the_default(capsys, trace_file):
+    data, _ = run_json(capsys, "replay", trace_file, "--placement", "fresh")
+    assert data["placement"] == "fresh"
+
+
+def test_replay_counts_ooms_against_the_device_memory(capsys, tmp_path):
+    # Ten 30 MiB allocations never freed: each needs its own 30 MiB segment, so a device of
+    # 3 x 30 MiB + 1 byte holds three and refuses the other seven.
+    entries = [{"action": "alloc", "addr": (i + 1) << 32, "size": 30 * MiB, "stream": 0}
+               for i in range(10)]
+    path = write_snapshot(tmp_path / "t.pickle.gz", {"segments": [], "device_traces": [entries]})
+    data, _ = run_json(capsys, "replay", path, "--device-memory", str(90 * MiB + 1))
+    assert data["num_ooms"] == 7
+    assert data["peak_reserved"] == 90 * MiB
+    assert data["device_memory"] == 90 * MiB + 1
+
+
+def test_replay_device_memory_accepts_units(capsys, tmp_path):
+    entries = [{"action": "alloc", "addr": (i + 1) << 32, "size": 30 * MiB, "stream": 0}
+               for i in range(10)]
+    path = write_snapshot(tmp_path / "t.pickle.gz", {"segments": [], "device_traces": [entries]})
+    data, _ = run_json(capsys, "replay", path, "--device-memory", "100MiB")
+    assert data["device_memory"] == 100 * MiB
+    assert data["num_ooms"] == 7
+    data, _ = run_json(capsys, "replay", path, "--device-memory", "0.2GB")
+    assert data["device_memory"] == 200_000_000
+    assert data["num_ooms"] == 10 - 200_000_000 // (30 * MiB) == 4
+
+
+def test_python_dash_m_pyalloc_runs_replay(trace_file):
+    proc = subprocess.run([sys.executable, "-m", "pyalloc", "replay", trace_file, "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["peak_reserved"] == replay(trace_file).peak_reserved
+
+
+def test_help_exits_zero(capsys):
+    rc, out, _ = run(capsys, "replay", "--help")
+    assert rc == 0
+    assert "--device-memory" in out and "GiB" in out
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+def test_missing_file_is_one_line_error(capsys, tmp_path):
+    missing = tmp_path / "nope.pickle.gz"
+    for command in ("replay", "tune"):
+        assert_one_line_error(*run(capsys, command, missing), str(missing), "No such file")
+
+
+def test_file_that_is_not_a_snapshot_is_one_line_error(capsys, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a pickle at all\n")
+    assert_one_line_error(*run(capsys, "replay", text), "is not a memory snapshot")
+    other = tmp_path / "other.pickle"
+    other.write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
+    assert_one_line_error(*run(capsys, "tune", other), "is a pickle but not a memory snapshot")
+
+
+@pytest.mark.parametrize("traces", [[], [[]]], ids=["no-device-traces", "empty-trace"])
+def test_snapshot_without_trace_is_one_line_error(capsys, tmp_path, traces):
+    # enabled="state" keeps segments but no trace; no history at all gives an empty list.
+    path = write_snapshot(tmp_path / "state.pickle.gz", {"segments": [], "device_traces": traces})
+    for command in ("replay", "tune"):
+        assert_one_line_error(*run(capsys, command, path), "no allocator trace", "enabled='all'")
+
+
+def test_bad_config_is_one_line_error_with_the_parser_message(capsys, trace_file):
+    rc, out, err = run(capsys, "replay", trace_file, "--config", "max_split_size_mb:10")
+    assert_one_line_error(rc, out, err, "--config", "max_split_size_mb too small, must be >= 20",
+                          "at character 18")
+    rc, out, err = run(capsys, "tune", trace_file, "--config", "roundup_power2_divisions:3")
+    assert_one_line_error(rc, out, err, "--config", "has to be a power of 2")
+
+
+def test_unparsable_own_setting_is_one_line_error_that_suggests_config(capsys, tmp_path):
+    path = write_snapshot(tmp_path / "t.pickle.gz", synthetic_snapshot(conf="backend:cudaMallocAsync"))
+    assert_one_line_error(*run(capsys, "replay", path), "the trace's own setting",
+                          "cudaMallocAsync", "--config")
+
+
+def test_setting_the_allocator_cannot_replay_is_one_line_error(capsys, trace_file, monkeypatch):
+    monkeypatch.setattr(tune_module, "unsupported_reason",
+                        lambda c: "not in this build" if "roundup" in c else None)
+    assert_one_line_error(*run(capsys, "replay", trace_file, "--config", "roundup_power2_divisions:4"),
+                          "cannot be replayed", "not in this build")
+
+
+@pytest.mark.parametrize("value", ["80XB", "abc", "-5", "0", "0GiB", "1.5", "1e9", "80 G", ""])
+def test_bad_device_memory_is_rejected(capsys, trace_file, value):
+    rc, out, err = run(capsys, "replay", trace_file, "--device-memory", value)
+    assert rc == 2 and out == ""
+    assert "--device-memory" in err and repr(value) in err
+    assert "Traceback" not in err
+
+
+def test_dump_fails_clearly_until_the_snapshot_writer_exists(capsys, trace_file, tmp_path):
+    from pyalloc import snapshot
+    target = tmp_path / "final.pickle"
+    result = run(capsys, "replay", trace_file, "--dump", target)
+    if hasattr(snapshot, "dump") and hasattr(CachingAllocator, "snapshot"):
+        assert result[0] == 0, result[2]
+        assert load(target)["segments"] == sorted(load(target)["segments"], key=lambda s: s["address"])
+    else:
+        assert_one_line_error(*result, "--dump is not available yet")
+        assert not target.exists()
+
+
+# -- wrapped traces -------------------------------------------------------------------------------------
+
+def test_wrapped_synthetic_trace_replays_with_a_warning(capsys, tmp_path):
+    snapshot = synthetic_snapshot()
+    entries = snapshot["device_traces"][0]
+    snapshot["device_traces"] = [entries[len(entries) // 3:]]
+    assert looks_wrapped(snapshot["device_traces"][0])
+    path = write_snapshot(tmp_path / "wrapped.pickle.gz", snapshot)
+    data, err = run_json(capsys, "replay", path)
+    assert data["wrapped"] is True
+    assert "pyalloc: warning:" in err and "recorded window" in err
+    assert data["events"] == len(snapshot["device_traces"][0])
+
+
+def test_complete_trace_gives_no_warning(capsys, trace_file):
+    data, err = run_json(capsys, "replay", trace_file)
+    assert data["wrapped"] is False
+    assert err == ""
+
+
+@needs_traces
+def test_truncated_real_trace_warns_and_replays_the_window(capsys, tmp_path):
+    snapshot = load(RESNET)
+    entries = snapshot["device_traces"][0]
+    window = entries[len(entries) // 2:]
+    snapshot["device_traces"] = [window]
+    path = write_snapshot(tmp_path / "wrapped.pickle.gz", snapshot)
+    data, err = run_json(capsys, "replay", path)
+    assert "recorded window" in err
+    assert data["events"] == len(window)
+    assert data["allocations"] == sum(e["action"] == "alloc" for e in window)
+    rc, out, err = run(capsys, "tune", path, "--config", "max_split_size_mb:128", "--jobs", "1")
+    assert rc == 0 and "recorded window" in err
+
+
+# -- progress -------------------------------------------------------------------------------------------
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_is_drawn_on_a_terminal(trace_file, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "PROGRESS_DELAY_S", 0.0)
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["replay", trace_file]) == 0
+    assert "replay" in terminal.getvalue() and "ev" in terminal.getvalue()
+    assert "peak reserved" in capsys.readouterr().out
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(trace_file, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "PROGRESS_DELAY_S", 0.0)
+    rc, _, err = run(capsys, "tune", trace_file, "--config", "max_split_size_mb:64", "--jobs", "1")
+    assert rc == 0 and err == ""
+
+
+# -- sizes ----------------------------------------------------------------------------------------------
+
+@given(st.integers(1, 10**6), st.sampled_from(sorted(cli.SIZE_UNITS)), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_parse_size_scales_by_the_unit(n, unit, upper):
+    text = f"{n}{unit.upper() if upper else unit}"
+    assert cli.parse_size(text) == n * cli.SIZE_UNITS[unit]
+
+
+def test_parse_size_binary_and_decimal_units_differ():
+    assert cli.parse_size("80GiB") == 80 * 2**30
+    assert cli.parse_size("40GB") == 40 * 10**9
+    assert cli.parse_size("512MiB") == 512 * 2**20
+    assert cli.parse_size("1.5GiB") == 3 * 2**29
+    assert cli.parse_size("85899345920") == 80 * 2**30
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "1.5", "0.0001KB", "80 Gb ps", "12XB", "-1GiB", "0", "inf",
+                                  str(2**64)])
+def test_parse_size_rejects_with_the_text_named(text):
+    with pytest.raises(ValueError) as info:
+        cli.parse_size(text)
+    assert repr(text) in str(info.value)
+
+
+# -- tune -----------------------------------------------------------------------------------------------
+
+SMALL_GRID = ["max_split_size_mb:64", "max_split_size_mb:256", "roundup_power2_divisions:4",
+              "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"]
+
+
+def tune_json(capsys, path, *extra):
+    args = ["tune", path]
+    for c in SMALL_GRID:
+        args += ["--config", c]
+    return run_json(capsys, *args, *extra)
+
+
+def test_tune_table_is_sorted_by_peak_reserved(capsys, trace_file):
+    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    peaks = [r["peak_reserved"] for r in data["results"]]
+    assert peaks == sorted(peaks)
+    assert len(set(peaks)) > 1            # the grid really changes the figures
+    rc, out, _ = run(capsys, "tune", trace_file, *sum((["--config", c] for c in SMALL_GRID), []),
+                     "--jobs", "1")
+    lines = out.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("-" * 20)) + 1
+    shown = [l[3:].split()[0] for l in lines[start:start + len(data["results"])]]
+    assert shown == [r["config"] or "(defaults)" for r in data["results"]]
+
+
+def test_tune_rows_are_the_fresh_replays_of_each_setting(capsys, trace_file):
+    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    assert {r["config"] for r in data["results"]} == set(SMALL_GRID) | {""}
+    for row in data["results"]:
+        expected = replay(trace_file, config=row["config"], placement="fresh")
+        assert row["placement"] == "fresh"
+        assert row["peak_reserved"] == expected.peak_reserved
+        assert row["num_device_alloc"] == expected.num_device_alloc
+
+
+def test_tune_baseline_is_the_own_setting_at_recorded_addresses(capsys, trace_file):
+    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    baseline = data["baseline"]
+    assert baseline["own"] and baseline["placement"] == "recorded"
+    assert baseline["peak_reserved"] == replay(trace_file).peak_reserved
+    own_fresh = next(r for r in data["results"] if r["own"])
+    assert data["placement_effect"] == own_fresh["peak_reserved"] - baseline["peak_reserved"]
+
+
+def test_tune_savings_are_against_the_own_setting_replayed_fresh(capsys, trace_file):
+    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    own = next(r for r in data["results"] if r["own"])
+    assert own["saving"] == 0
+    for row in data["results"]:
+        assert row["saving"] == own["peak_reserved"] - row["peak_reserved"]
+        assert row["saving_fraction"] == pytest.approx(row["saving"] / own["peak_reserved"])
+
+
+def test_tune_best_line_parses_and_names_the_lowest_oom_free_row(capsys, trace_file):
+    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    best = min((r for r in data["results"] if r["num_ooms"] == 0),
+               key=lambda r: (r["peak_reserved"], r["num_device_alloc"]))
+    assert data["best"] == best["config"]
+    rc, out, _ = run(capsys, "tune", trace_file, *sum((["--config", c] for c in SMALL_GRID), []),
+                     "--jobs", "1")
+    last = out.rstrip("\n").splitlines()[-1]
+    assert last == data["best_line"]
+    name, _, value = last.partition("=")
+    assert name == "PYTORCH_CUDA_ALLOC_CONF"
+    (unquoted,) = shlex.split(value) or [""]
+    parsed = CudaAllocatorConfig(unquoted)
+    assert parsed == CudaAllocatorConfig(best["config"])
+
+
+def test_tune_best_line_quotes_list_settings_for_the_shell(capsys, trace_file):
+    # '>' and '[' are shell syntax: the line must survive being pasted into a shell.
+    data, _ = run_json(capsys, "tune", trace_file, "--config", "roundup_power2_divisions:[256:1,>:8]",
+                       "--jobs", "1", "--device-memory", "1TiB")
+    rows = {r["config"]: r for r in data["results"]}
+    assert "roundup_power2_divisions:[256:1,>:8]" in rows
+    line = tune_module.TuneResult.best_line(
+        tune_module.TuneResult("t", 0, 1, 0, 0, False, "", None,
+                               best=tune_module.TuneRow("roundup_power2_divisions:[256:1,>:8]",
+                                                        "fresh", own=False)))
+    assert line == "PYTORCH_CUDA_ALLOC_CONF='roundup_power2_divisions:[256:1,>:8]'"
+    assert shlex.split(line.partition("=")[2]) == ["roundup_power2_divisions:[256:1,>:8]"]
+
+
+def test_tune_jobs_1_and_2_give_the_same_results(capsys, trace_file):
+    one, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    two, _ = tune_json(capsys, trace_file, "--jobs", "2")
+    strip = lambda d: ([without_timings(r) for r in d["results"]], without_timings(d["baseline"]),
+                       d["best_line"], d["skipped"], d["failed"])
+    assert strip(one) == strip(two)
+
+
+def test_tune_skips_a_repeat_of_the_own_setting(capsys, trace_file):
+    data, _ = run_json(capsys, "tune", trace_file, "--config", "", "--config", "max_split_size_mb:64",
+                       "--config", "max_split_size_mb:64,", "--jobs", "1")
+    assert [r["config"] for r in data["results"]].count("") == 1
+    assert sum(r["config"].startswith("max_split_size_mb:64") for r in data["results"]) == 1
+
+
+def test_tune_reports_unsupported_settings_as_skipped(capsys, trace_file, monkeypatch):
+    monkeypatch.setattr(tune_module, "unsupported_reason",
+                        lambda c: "not in this build" if "roundup" in c else None)
+    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    skipped = {s["config"]: s["reason"] for s in data["skipped"]}
+    assert skipped == {c: "not in this build" for c in SMALL_GRID if "roundup" in c}
+    assert not any("roundup" in r["config"] for r in data["results"])
+
+
+def test_tune_text_lists_skipped_settings_and_ends_with_the_best_line(capsys, trace_file, monkeypatch):
+    monkeypatch.setattr(tune_module, "unsupported_reason",
+                        lambda c: "not in this build" if c == "max_split_size_mb:256" else None)
+    rc, out, _ = run(capsys, "tune", trace_file, *sum((["--config", c] for c in SMALL_GRID), []),
+                     "--jobs", "1")
+    assert rc == 0
+    assert "skipped max_split_size_mb:256: not in this build" in out
+    assert out.rstrip("\n").splitlines()[-1].startswith("PYTORCH_CUDA_ALLOC_CONF=")
+
+
+def test_tune_with_an_unreplayable_own_setting_still_ranks_the_others(capsys, tmp_path, monkeypatch):
+    path = write_snapshot(tmp_path / "t.pickle.gz", synthetic_snapshot(conf="max_split_size_mb:512"))
+    monkeypatch.setattr(tune_module, "unsupported_reason",
+                        lambda c: "not in this build" if c == "max_split_size_mb:512" else None)
+    data, _ = tune_json(capsys, path, "--jobs", "1")
+    assert data["baseline"]["skipped"] and data["baseline"]["error"] == "not in this build"
+    assert {r["config"] for r in data["results"]} == set(SMALL_GRID)
+    assert all(r["saving"] is None for r in data["results"])
+    assert data["best"] in SMALL_GRID
+
+
+def one_alloc_trace(tmp_path, size):
+    entries = [{"action": "alloc", "addr": 1 << 40, "size": size, "stream": 0}]
+    return write_snapshot(tmp_path / "one.pickle.gz", {"segments": [], "device_traces": [entries]})
+
+
+def test_tune_best_skips_settings_that_run_out_of_memory(capsys, tmp_path):
+    # One 65 MiB request: by default a 66 MiB segment (2 MiB rounding); with
+    # roundup_power2_divisions:2 it rounds to 96 MiB, more than an 80 MiB device holds. That
+    # failed setting reserves nothing, so it sorts first, but the best line must not name it.
+    path = one_alloc_trace(tmp_path, 65 * MiB)
+    data, _ = run_json(capsys, "tune", path, "--config", "roundup_power2_divisions:2",
+                       "--device-memory", "80MiB", "--jobs", "1")
+    first, second = data["results"]
+    assert (first["config"], first["num_ooms"], first["peak_reserved"]) == ("roundup_power2_divisions:2", 1, 0)
+    assert (second["config"], second["num_ooms"], second["peak_reserved"]) == ("", 0, 66 * MiB)
+    assert data["best"] == "" and data["best_avoids_oom"] is True
+
+
+def test_tune_says_so_when_every_setting_runs_out_of_memory(capsys, tmp_path):
+    path = one_alloc_trace(tmp_path, 65 * MiB)
+    rc, out, _ = run(capsys, "tune", path, "--config", "roundup_power2_divisions:2",
+                     "--device-memory", "10MiB", "--jobs", "1")
+    assert rc == 0
+    assert "every setting ran out of memory on a 10.00 MiB device" in out
+    assert out.rstrip("\n").splitlines()[-1].startswith("PYTORCH_CUDA_ALLOC_CONF=")
+
+
+def test_tune_device_memory_sets_the_simulated_device(capsys, trace_file):
+    data, _ = run_json(capsys, "tune", trace_file, "--config", "max_split_size_mb:64",
+                       "--device-memory", "512MiB", "--jobs", "1")
+    assert data["device_memory"] == 512 * MiB
+    expected = replay(trace_file, config="max_split_size_mb:64", placement="fresh",
+                      device_memory=512 * MiB)
+    row = next(r for r in data["results"] if r["config"] == "max_split_size_mb:64")
+    assert row["num_ooms"] == expected.num_ooms > 0
+
+
+@needs_traces
+def test_tune_real_trace_over_small_grid_ranks_and_matches_torch_baseline(capsys):
+    data, _ = run_json(capsys, "tune", RESNET, "--config", "max_split_size_mb:128",
+                       "--config", "roundup_power2_divisions:16", "--jobs", "2")
+    peaks = next(p for p in PEAKS if p["workload"] == "resnet_train" and p["tag"] == "default")
+    assert data["baseline"]["peak_reserved"] == peaks["peak_reserved"]
+    assert [r["peak_reserved"] for r in data["results"]] == sorted(r["peak_reserved"] for r in data["results"])
+
+
+# -- the grid -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("grid", tune_module.GRIDS)
+def test_grid_settings_all_parse_and_are_distinct(grid):
+    settings_list = tune_module.grid_settings(grid)
+    keys = [tune_module._settings_key(CudaAllocatorConfig(s)) for s in settings_list]
+    assert len(set(keys)) == len(keys)
+    assert tune_module._settings_key(CudaAllocatorConfig("")) not in keys
+
+
+@pytest.mark.parametrize("grid", tune_module.GRIDS)
+def test_grid_covers_every_setting_family(grid):
+    parsed = [CudaAllocatorConfig(s) for s in tune_module.grid_settings(grid)]
+    default = CudaAllocatorConfig()
+    assert any(p.max_split_size != default.max_split_size for p in parsed)
+    single = [p for p in parsed if len(set(p.roundup_power2_divisions)) == 1
+              and p.roundup_power2_divisions[0] > 0]
+    listed = [p for p in parsed if len(set(p.roundup_power2_divisions)) > 1]
+    assert single and listed
+    assert any(p.max_non_split_rounding_size != default.max_non_split_rounding_size
+               and p.max_split_size != default.max_split_size for p in parsed)
+    gc = [p for p in parsed if p.garbage_collection_threshold > 0]
+    assert gc and all(p.per_process_memory_fraction < 1.0 for p in gc)
+    assert any(p.expandable_segments for p in parsed)
+
+
+def test_grid_rejects_unknown_names():
+    with pytest.raises(ValueError, match="'huge'"):
+        tune_module.grid_settings("huge")
+
+
+def test_expandable_settings_are_skipped_exactly_when_the_allocator_refuses_them(trace_file):
+    try:
+        CachingAllocator(0, backend=SimDevice(GiB), config="expandable_segments:True")
+        supported = True
+    except NotImplementedError:
+        supported = False
+    result = tune_module.tune(trace_file, grid=None, configs=["expandable_segments:True"], jobs=1)
+    skipped = [r.config for r in result.skipped]
+    assert ("expandable_segments:True" in skipped) == (not supported)
+    assert any(r.config == "expandable_segments:True" for r in result.rows) == supported
+
+
+def test_tune_rejects_bad_arguments_before_any_work(trace_file):
+    with pytest.raises(ValueError, match="jobs"):
+        tune_module.tune(trace_file, jobs=0)
+    with pytest.raises(TypeError, match="list"):
+        tune_module.tune(trace_file, configs="max_split_size_mb:64")
+    from pyalloc.config import ConfigError
+    with pytest.raises(ConfigError, match="nonsense"):
+        tune_module.tune(trace_file, grid=None, configs=["nonsense:1"])
