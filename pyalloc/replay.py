@@ -107,7 +107,8 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         config: allocator settings string; None takes the trace's own
             allocator_settings["PYTORCH_CUDA_ALLOC_CONF"].
         placement: "recorded" puts new segments at the trace's segment_alloc addresses;
-            "fresh" lets the simulated device choose.
+            "fresh" lets the simulated device choose, top-down as the CUDA driver tends to
+            (SimDevice(top_down=True)).
         device_memory: simulated device size in bytes (default 80 GiB).
         device: which device's trace to replay.
         progress: optional callable(done_events, total_events), called every 4096 events.
@@ -122,7 +123,8 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     if config is None:
         config = (snapshot.get("allocator_settings") or {}).get("PYTORCH_CUDA_ALLOC_CONF", "") or ""
     device_memory = DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory
-    sim = SimDevice(device_memory, device=device)
+    # Fresh segments go top-down: best fit's address tie-breaks then match PyTorch's runs.
+    sim = SimDevice(device_memory, device=device, top_down=placement == "fresh")
     if placement == "recorded":
         sim.place_segments(recorded_placements(entries))
         sim.place_reservations(recorded_reservations(snapshot, entries, device_memory, device))

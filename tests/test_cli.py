@@ -35,8 +35,8 @@ TRACES = Path(os.environ.get("PYALLOC_TRACES", REPO.parent / "shared" / "traces"
 PEAKS_FILE = TRACES / "torch-peaks.jsonl"
 PEAKS = ([json.loads(line) for line in PEAKS_FILE.read_text().splitlines() if line.strip()]
          if PEAKS_FILE.exists() else [])
-# Runs whose setting pyalloc replays today; expandable runs join once expandable_segments does.
-REPLAYABLE = [p for p in PEAKS if "expandable" not in p["conf"]]
+# Runs whose setting this pyalloc can replay (expandable runs since expandable segments landed).
+REPLAYABLE = [p for p in PEAKS if tune_module.unsupported_reason(p["conf"]) is None]
 needs_traces = pytest.mark.skipif(not PEAKS, reason=f"no shared traces at {TRACES}")
 RESNET = TRACES / "resnet_train-default.pickle.gz"
 EXAMPLES = REPO / "examples"
@@ -176,8 +176,44 @@ def test_tune_of_the_example_predicts_the_runs_under_other_settings(capsys):
     data, _ = run_json(capsys, "tune", EXAMPLE, *args, "--jobs", "2")
     rows = {r["config"]: r for r in data["results"]}
     for peaks in others:
-        for key in ("peak_reserved", "peak_allocated", "num_device_alloc"):
+        for key in ("peak_reserved", "num_device_alloc"):
             assert rows[peaks["conf"]][key] == peaks[key], (peaks["conf"], key)
+
+
+@needs_traces
+@pytest.mark.parametrize("workload", ["resnet_train", "gpt2_train"])
+def test_tune_of_a_shared_default_trace_predicts_the_runs_under_other_settings(capsys, workload):
+    # Each workload was run under several settings with the same requests; fresh (top-down)
+    # placement must reproduce PyTorch's peak reserved bytes for the non-default runs.
+    others = [p for p in PEAKS if p["workload"] == workload and p["conf"]]
+    args = sum((["--config", p["conf"]] for p in others), [])
+    data, _ = run_json(capsys, "tune", TRACES / f"{workload}-default.pickle.gz", *args, "--jobs", "2")
+    rows = {r["config"]: r for r in data["results"]}
+    for peaks in others:
+        assert rows[peaks["conf"]]["peak_reserved"] == peaks["peak_reserved"], peaks["conf"]
+        assert rows[peaks["conf"]]["num_device_alloc"] == peaks["num_device_alloc"], peaks["conf"]
+
+
+def test_sim_top_down_places_new_segments_from_the_top_of_its_range():
+    sim = SimDevice(GiB, base_address=1 << 44, top_down=True)
+    alloc = CachingAllocator(0, backend=sim, config="")
+    top = (1 << 44) + (1 << 40)
+    a = alloc.malloc(30 * MiB)
+    b = alloc.malloc(40 * MiB)
+    assert sim.segments() == [(top - 30 * MiB - 40 * MiB, 40 * MiB), (top - 30 * MiB, 30 * MiB)]
+    assert (a, b) == (top - 30 * MiB, top - 70 * MiB)
+    alloc.free(a)
+    alloc.empty_cache()              # the gap at the top is free again: a fitting segment goes there
+    c = alloc.malloc(22 * MiB)
+    assert c == top - 22 * MiB
+    alloc.free(b)
+    alloc.free(c)
+
+
+def test_sim_default_placement_is_still_first_fit_from_the_base():
+    sim = SimDevice(GiB, base_address=1 << 44)
+    alloc = CachingAllocator(0, backend=sim, config="")
+    assert alloc.malloc(30 * MiB) == 1 << 44
 
 
 @needs_traces
