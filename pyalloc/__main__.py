@@ -261,7 +261,7 @@ def _cmd_replay(args) -> int:
     line("trace", f"{args.trace} ({r.events:,} events, {r.allocations:,} allocations, device {args.device})")
     line("setting", (config or "(defaults)") + ("  (the trace's own)" if config == own else ""))
     line("placement", "recorded (segments at the trace's addresses)" if placement == "recorded"
-         else "fresh (segments where the simulated device puts them)")
+         else "fresh (segments where the simulated device puts them, top-down)")
     line("device memory", f"{format_bytes(device_memory)} ({device_memory:,} bytes)")
     for name, value in (("peak reserved", r.peak_reserved), ("peak allocated", r.peak_allocated),
                         ("peak requested", r.peak_requested)):

@@ -335,16 +335,44 @@ def test_bad_device_memory_is_rejected(capsys, trace_file, value):
     assert "Traceback" not in err
 
 
-def test_dump_fails_clearly_until_the_snapshot_writer_exists(capsys, trace_file, tmp_path):
+def test_dump_writes_the_real_snapshot_or_says_it_is_not_available(capsys, trace_file, tmp_path):
     from pyalloc import snapshot
     target = tmp_path / "final.pickle"
-    result = run(capsys, "replay", trace_file, "--dump", target)
+    rc, out, err = run(capsys, "replay", trace_file, "--dump", target, "--json")
     if hasattr(snapshot, "dump") and hasattr(CachingAllocator, "snapshot"):
-        assert result[0] == 0, result[2]
-        assert load(target)["segments"] == sorted(load(target)["segments"], key=lambda s: s["address"])
+        assert rc == 0, err
+        data = json.loads(out)
+        segments = load(target)["segments"]
+        assert sum(seg["total_size"] for seg in segments) == data["final_reserved"] > 0
     else:
-        assert_one_line_error(*result, "--dump is not available yet")
+        assert_one_line_error(rc, out, err, "--dump is not available yet")
         assert not target.exists()
+
+
+def test_dump_hands_the_replayed_allocator_to_snapshot_dump(capsys, trace_file, tmp_path, monkeypatch):
+    # The wiring alone, with stand-ins for the snapshot writer: dump(allocator.snapshot(), PATH)
+    # once, after the last event.
+    from pyalloc import snapshot
+    written = []
+    monkeypatch.setattr(snapshot, "dump", lambda snap, path: written.append((snap, path)), raising=False)
+    monkeypatch.setattr(CachingAllocator, "snapshot",
+                        lambda self: {"reserved": self.memory_reserved(), "stats": self.memory_stats()},
+                        raising=False)
+    target = str(tmp_path / "final.pickle")
+    data, _ = run_json(capsys, "replay", trace_file, "--dump", target)
+    assert len(written) == 1
+    snap, path = written[0]
+    assert path == target and data["dumped"] == target
+    assert snap["reserved"] == data["final_reserved"]
+    assert snap["stats"]["reserved_bytes.all.peak"] == data["peak_reserved"]
+
+
+def test_dump_into_a_missing_folder_is_one_line_error(capsys, trace_file, tmp_path, monkeypatch):
+    from pyalloc import snapshot
+    monkeypatch.setattr(snapshot, "dump", lambda snap, path: None, raising=False)
+    monkeypatch.setattr(CachingAllocator, "snapshot", lambda self: {}, raising=False)
+    assert_one_line_error(*run(capsys, "replay", trace_file, "--dump", tmp_path / "no" / "x.pickle"),
+                          "does not exist")
 
 
 # -- wrapped traces -------------------------------------------------------------------------------------
