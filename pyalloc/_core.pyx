@@ -1700,6 +1700,107 @@ cdef class DeviceCachingAllocator:
             self._unlock()
 
 
+    # ------------------------------------------------------------------------- trace replay
+
+    def _replay(self, list entries, object progress=None, Py_ssize_t progress_every=65536):
+        """Feed a recorded trace's events through this allocator: the loop of pyalloc.replay.
+
+        `entries` are PyTorch trace entry dicts (action, addr, size, stream). `alloc` calls malloc,
+        `free_completed` frees what the matching alloc returned, and the first `segment_free` of
+        a run acts as empty_cache() (that is what empty_cache leaves in a trace). An allocation
+        that runs out of memory is counted and skipped, and so is its later free.
+        `progress(done, total)` is called every `progress_every` events.
+
+        Returns (allocations, address_matches, out_of_memory, unknown_frees): unknown_frees counts
+        frees of addresses the trace never allocated, the mark of a ring buffer that wrapped.
+        Written in Cython because replay speed is what `pyalloc tune` is made of.
+        """
+        cdef Py_ssize_t i, n = len(entries)
+        cdef object entry
+        cdef dict d
+        cdef str action
+        cdef unordered_map[uintptr_t, uintptr_t] live     # trace address -> our pointer (0: OOM)
+        cdef unordered_map[uintptr_t, uintptr_t].iterator found
+        cdef uintptr_t addr, stream, ptr
+        cdef size_t size
+        cdef Block* b
+        cdef int rc
+        cdef Py_ssize_t allocations = 0, matches = 0, ooms = 0, unknown = 0
+        cdef bint in_segment_free_run = False
+        cdef bint is_segment_free
+        if progress_every < 1:
+            progress_every = 1
+        # Unpickled traces share one string object per key and per action name. Looking keys up
+        # with those very objects, and recognising actions by identity first, skips the string
+        # comparisons that otherwise dominate the loop.
+        k_action, k_addr, k_size, k_stream = "action", "addr", "size", "stream"
+        if n and type(entries[0]) is dict:
+            for key in <dict>entries[0]:
+                if key == "action": k_action = key
+                elif key == "addr": k_addr = key
+                elif key == "size": k_size = key
+                elif key == "stream": k_stream = key
+        alloc_name, free_name, segment_free_name = "alloc", "free_completed", "segment_free"
+        for i in range(n):
+            entry = entries[i]
+            if type(entry) is not dict:
+                raise TypeError(f"trace entry {i} is a {type(entry).__name__}, expected a dict")
+            d = <dict>entry
+            action = d[k_action]
+            if action is not alloc_name and action is not free_name and action is not segment_free_name:
+                if action == "alloc":
+                    alloc_name = action
+                elif action == "free_completed":
+                    free_name = action
+                elif action == "segment_free":
+                    segment_free_name = action
+            if action is alloc_name:
+                allocations += 1
+                addr = d[k_addr]
+                size = d[k_size]
+                stream = d[k_stream]
+                if size == 0:
+                    continue
+                self._lock()
+                try:
+                    rc = self._malloc(size, stream, 0, &b)
+                finally:
+                    self._unlock()
+                if rc == BACKEND_OOM:
+                    ooms += 1
+                    live[addr] = 0
+                else:
+                    live[addr] = b.ptr
+                    matches += b.ptr == addr
+            elif action is free_name:
+                addr = d[k_addr]
+                found = live.find(addr)
+                if found == live.end():
+                    unknown += 1
+                else:
+                    ptr = deref(found).second
+                    live.erase(found)
+                    if ptr:
+                        self._lock()
+                        try:
+                            b = self._lookup_allocated(ptr)
+                            self._free(b)
+                        finally:
+                            self._unlock()
+            is_segment_free = action is segment_free_name
+            if is_segment_free and not in_segment_free_run:
+                self._lock()
+                try:
+                    self._release_cached_blocks()
+                finally:
+                    self._unlock()
+            in_segment_free_run = is_segment_free
+            if progress is not None and i % progress_every == 0:
+                progress(i, n)
+        if progress is not None:
+            progress(n, n)
+        return allocations, matches, ooms, unknown
+
     cdef int _check_pool_order(self, BlockPool* pool) except -1:
         cdef BlockSet.iterator it = pool.blocks.begin()
         cdef Block* last = NULL
@@ -1763,6 +1864,28 @@ cdef class Buffer:
     def __dealloc__(self):
         if self.ptr and self.allocator is not None:
             self.allocator.free(self.ptr)
+
+
+# ------------------------------------------------------------------------------- trace scan
+
+def scan_trace(list entries):
+    """One pass over trace entries: ([(addr, size) of each segment_alloc], [addr of each segment_map]).
+
+    The replay places new segments from the first list and expandable reservations from the second.
+    """
+    cdef Py_ssize_t i, n = len(entries)
+    cdef dict d
+    cdef str action
+    segment_allocs = []
+    segment_maps = []
+    for i in range(n):
+        d = entries[i]
+        action = d["action"]
+        if action == "segment_alloc":
+            segment_allocs.append((d["addr"], d["size"]))
+        elif action == "segment_map":
+            segment_maps.append(d["addr"])
+    return segment_allocs, segment_maps
 
 
 # ------------------------------------------------------------------------------- metadata

@@ -10,8 +10,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from pyalloc.allocator import CachingAllocator
-from pyalloc.errors import OutOfMemoryError
 from pyalloc.snapshot import SnapshotError, load
+from pyalloc._core import scan_trace
 from pyalloc._sim import SimDevice
 
 DEFAULT_DEVICE_MEMORY = 80 << 30
@@ -73,15 +73,11 @@ def looks_wrapped(entries):
     return False
 
 
-def recorded_placements(entries):
-    """(address, size) of each segment_alloc in trace order: where PyTorch's driver put segments."""
-    return [(e["addr"], e["size"]) for e in entries if e["action"] == "segment_alloc"]
-
-
-def recorded_reservations(snapshot, entries, device_memory, device=0):
+def recorded_reservations(snapshot, map_addrs, device_memory, device=0):
     """(base, reserved bytes) of the trace's expandable segments, one per pool, in the order the
-    trace first maps into them: the base is the lowest address of that pool's expandable segments
-    in the snapshot's final `segments` list."""
+    trace first maps into them (`map_addrs`: the addresses of its segment_map entries, in order):
+    the base is the lowest address of that pool's expandable segments in the snapshot's final
+    `segments` list."""
     from pyalloc._core import expandable_reservation_size
     bases = {}
     for seg in snapshot.get("segments", []):
@@ -89,7 +85,6 @@ def recorded_reservations(snapshot, entries, device_memory, device=0):
             small = seg.get("segment_type") == "small"
             bases[small] = min(bases.get(small, seg["address"]), seg["address"])
     reservations = [(base, expandable_reservation_size(device_memory, small)) for small, base in bases.items()]
-    map_addrs = [e["addr"] for e in entries if e["action"] == "segment_map"]
 
     def first_map(reservation):
         base, size = reservation
@@ -111,7 +106,7 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
             (SimDevice(top_down=True)).
         device_memory: simulated device size in bytes (default 80 GiB).
         device: which device's trace to replay.
-        progress: optional callable(done_events, total_events), called every 4096 events.
+        progress: optional callable(done_events, total_events), called every 65536 events.
         on_finish: optional callable(allocator), called with the CachingAllocator once the last
             event is replayed and before the figures are read (e.g. to write its snapshot).
     Returns a ReplayResult.
@@ -123,41 +118,16 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     if config is None:
         config = (snapshot.get("allocator_settings") or {}).get("PYTORCH_CUDA_ALLOC_CONF", "") or ""
     device_memory = DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory
+    # The clock covers everything after the pickle is loaded, reading the events included.
+    started = time.perf_counter()
     # Fresh segments go top-down: best fit's address tie-breaks then match PyTorch's runs.
     sim = SimDevice(device_memory, device=device, top_down=placement == "fresh")
     if placement == "recorded":
-        sim.place_segments(recorded_placements(entries))
-        sim.place_reservations(recorded_reservations(snapshot, entries, device_memory, device))
+        segment_allocs, segment_maps = scan_trace(entries)
+        sim.place_segments(segment_allocs)
+        sim.place_reservations(recorded_reservations(snapshot, segment_maps, device_memory, device))
     alloc = CachingAllocator(device, backend=sim, config=config)
-
-    live = {}          # trace address -> our pointer
-    allocations = matches = 0
-    in_segment_free_run = False
-    total = len(entries)
-    started = time.perf_counter()
-    for i, e in enumerate(entries):
-        action = e["action"]
-        if action == "alloc":
-            allocations += 1
-            try:
-                ptr = alloc.malloc(e["size"], e["stream"])
-            except OutOfMemoryError:
-                continue
-            live[e["addr"]] = ptr
-            matches += ptr == e["addr"]
-        elif action == "free_completed":
-            ptr = live.pop(e["addr"], None)
-            if ptr is not None:
-                alloc.free(ptr)
-        elif action == "segment_free" and not in_segment_free_run:
-            # A run of segment_free entries is what empty_cache() leaves in a trace.
-            alloc.empty_cache()
-        in_segment_free_run = action == "segment_free"
-        if progress is not None and (i & 4095) == 0:
-            progress(i, total)
-    seconds = time.perf_counter() - started
-    if progress is not None:
-        progress(total, total)
+    allocations, matches, _, unknown_frees = alloc._replay(entries, progress)
     if on_finish is not None:
         on_finish(alloc)
     stats = alloc.memory_stats()
@@ -170,5 +140,5 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         num_device_alloc=stats["num_device_alloc"],
         num_alloc_retries=stats["num_alloc_retries"],
         num_ooms=stats["num_ooms"],
-        allocations=allocations, address_matches=matches, events=total, seconds=seconds,
-        wrapped=looks_wrapped(entries))
+        allocations=allocations, address_matches=matches, events=len(entries),
+        seconds=time.perf_counter() - started, wrapped=unknown_frees > 0)
