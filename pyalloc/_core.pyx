@@ -26,6 +26,7 @@ from libcpp.vector cimport vector
 from libcpp.deque cimport deque
 from libcpp.pair cimport pair
 from libcpp.unordered_map cimport unordered_map
+cimport cython
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 
@@ -1817,6 +1818,9 @@ cdef class DeviceCachingAllocator:
 
 # ------------------------------------------------------------------------------- Buffer
 
+# no_gc_clear: when a Buffer is freed as part of a garbage cycle, the collector must not clear
+# its allocator reference first, or __dealloc__ could not return the memory (it would leak).
+@cython.no_gc_clear
 cdef class Buffer:
     """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
 

@@ -37,6 +37,8 @@ cdef struct Barrier:
     uint64_t position      # index of the first work item that must wait
     uintptr_t stream       # stream of the awaited event
     uint64_t target        # work count that stream must reach
+    uint64_t seq           # when the wait was queued (device-wide order of records and waits)
+    uint64_t event_seq     # when the awaited event was recorded
 
 
 cdef struct StreamState:
@@ -48,6 +50,7 @@ cdef struct EventState:
     uintptr_t stream
     uint64_t target        # completed count the stream must reach; 0 = never recorded
     bint recorded
+    uint64_t seq           # when it was last recorded
 
 
 cdef class SimDevice(Backend):
@@ -84,6 +87,7 @@ cdef class SimDevice(Backend):
     cdef readonly uintptr_t reservation_base
     cdef uintptr_t _next_stream
     cdef uintptr_t _next_event
+    cdef uint64_t _seq                                 # orders event records and waits
     cdef public dict counters
 
     def __init__(self, size_t total_memory=80 * GiB, *, int device=0,
@@ -365,7 +369,7 @@ cdef class SimDevice(Backend):
             barriers = &self._barriers[stream]
             if not barriers.empty() and barriers.front().position <= s.completed:
                 b = barriers.front()
-                self._advance(b.stream, b.target)
+                self._finish(b.stream, b.target, b.event_seq)
                 barriers = &self._barriers[stream]
                 barriers.pop_front()
                 s = self._stream(stream)
@@ -375,6 +379,42 @@ cdef class SimDevice(Backend):
             else:
                 s.completed = target
         return s.completed - start
+
+    # A wait queued right after a stream's last work item has the same position as an event
+    # recorded there; `seq` tells whether the wait came before the record (and so holds the event
+    # back, as cudaStreamWaitEvent orders every later command) or after it. Following only
+    # earlier waits also keeps these walks finite.
+
+    cdef bint _reached(self, uintptr_t stream, uint64_t target, uint64_t before_seq) except -1:
+        """True when the work queued on `stream` up to `target` items, and the waits queued
+        there before `before_seq`, have completed."""
+        if self._stream(stream).completed < target:
+            return False
+        cdef deque[Barrier]* barriers = &self._barriers[stream]
+        cdef Barrier b
+        cdef size_t i = 0
+        while i < barriers.size() and deref(barriers)[i].position <= target:
+            b = deref(barriers)[i]
+            if b.seq < before_seq and not self._reached(b.stream, b.target, b.event_seq):
+                return False
+            barriers = &self._barriers[stream]
+            i += 1
+        return True
+
+    cdef int _finish(self, uintptr_t stream, uint64_t target, uint64_t before_seq) except -1:
+        """Complete `stream` up to `target` items and the awaited work of the waits queued
+        there before `before_seq`."""
+        self._advance(stream, target)
+        cdef deque[Barrier]* barriers = &self._barriers[stream]
+        cdef Barrier b
+        cdef size_t i = 0
+        while i < barriers.size() and deref(barriers)[i].position <= target:
+            b = deref(barriers)[i]
+            if b.seq < before_seq:
+                self._finish(b.stream, b.target, b.event_seq)
+            barriers = &self._barriers[stream]
+            i += 1
+        return 0
 
     def complete(self, uintptr_t stream=0, count=None):
         """Finish queued work on `stream` in order (all of it by default, else `count` items).
@@ -397,7 +437,7 @@ cdef class SimDevice(Backend):
 
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         self.counters["stream_synchronize"] += 1
-        self._advance(stream, self._stream(stream).launched)
+        self._finish(stream, self._stream(stream).launched, self._seq + 1)
         return BACKEND_OK
 
     # ---------------------------------------------------------------- events
@@ -405,7 +445,7 @@ cdef class SimDevice(Backend):
     cdef int event_create(self, uintptr_t* event) except -1:
         self.counters["event_create"] += 1
         event[0] = self._next_event
-        self._events[self._next_event] = EventState(0, 0, False)
+        self._events[self._next_event] = EventState(0, 0, False, 0)
         self._next_event += 1
         return BACKEND_OK
 
@@ -421,6 +461,8 @@ cdef class SimDevice(Backend):
         e.stream = stream
         e.target = self._stream(stream).launched
         e.recorded = True
+        self._seq += 1
+        e.seq = self._seq
         return BACKEND_OK
 
     cdef int event_query(self, uintptr_t event) except -1:
@@ -428,13 +470,13 @@ cdef class SimDevice(Backend):
         cdef EventState* e = self._event(event)
         if not e.recorded:
             return 1
-        return 1 if self._stream(e.stream).completed >= e.target else 0
+        return 1 if self._reached(e.stream, e.target, e.seq) else 0
 
     cdef int event_synchronize(self, uintptr_t event) except -1:
         self.counters["event_synchronize"] += 1
         cdef EventState* e = self._event(event)
         if e.recorded:
-            self._advance(e.stream, e.target)
+            self._finish(e.stream, e.target, e.seq)
         return BACKEND_OK
 
     cdef int event_destroy(self, uintptr_t event) except -1:
@@ -459,4 +501,6 @@ cdef class SimDevice(Backend):
         cdef EventState* e = self._event(event)
         if not e.recorded or e.stream == stream:
             return
-        self._barriers[stream].push_back(Barrier(self._stream(stream).launched, e.stream, e.target))
+        self._seq += 1
+        self._barriers[stream].push_back(
+            Barrier(self._stream(stream).launched, e.stream, e.target, self._seq, e.seq))
