@@ -29,6 +29,8 @@ from libcpp.unordered_map cimport unordered_map
 cimport cython
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
+from cpython.dict cimport PyDict_Next
+from cpython.object cimport PyObject
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc.errors import OutOfMemoryError, format_bytes
@@ -1719,10 +1721,11 @@ cdef class DeviceCachingAllocator:
         cdef Py_ssize_t i, n = len(entries)
         cdef object entry
         cdef dict d
-        cdef str action
-        cdef unordered_map[uintptr_t, uintptr_t] live     # trace address -> our pointer (0: OOM)
-        cdef unordered_map[uintptr_t, uintptr_t].iterator found
-        cdef uintptr_t addr, stream, ptr
+        cdef object action
+        cdef PyObject* fields[4]                          # action, addr, size, stream (borrowed)
+        cdef ActiveMap live                               # trace address -> our block
+        cdef Block out_of_memory                          # marks an allocation that failed
+        cdef uintptr_t addr, stream
         cdef size_t size
         cdef Block* b
         cdef int rc
@@ -1742,62 +1745,70 @@ cdef class DeviceCachingAllocator:
                 elif key == "size": k_size = key
                 elif key == "stream": k_stream = key
         alloc_name, free_name, segment_free_name = "alloc", "free_completed", "segment_free"
-        for i in range(n):
-            entry = entries[i]
-            if type(entry) is not dict:
-                raise TypeError(f"trace entry {i} is a {type(entry).__name__}, expected a dict")
-            d = <dict>entry
-            action = d[k_action]
-            if action is not alloc_name and action is not free_name and action is not segment_free_name:
-                if action == "alloc":
-                    alloc_name = action
-                elif action == "free_completed":
-                    free_name = action
-                elif action == "segment_free":
-                    segment_free_name = action
-            if action is alloc_name:
-                allocations += 1
-                addr = d[k_addr]
-                size = d[k_size]
-                stream = d[k_stream]
-                if size == 0:
+        requested_name = "free_requested"
+        # One lock for the whole replay: the allocator is the replay's own, and taking the lock
+        # per event would cost more than many of the events.
+        self._lock()
+        try:
+            for i in range(n):
+                entry = entries[i]
+                if type(entry) is not dict:
+                    raise TypeError(f"trace entry {i} is a {type(entry).__name__}, expected a dict")
+                d = <dict>entry
+                if leading_fields(d, k_action, k_addr, k_size, k_stream, fields):
+                    action = <object>fields[0]
+                    v_addr = <object>fields[1]
+                    v_size = <object>fields[2]
+                    v_stream = <object>fields[3]
+                else:
+                    action = d[k_action]
+                    v_addr = d.get(k_addr, 0)
+                    v_size = d.get(k_size, 0)
+                    v_stream = d.get(k_stream, 0)
+                if (action is not alloc_name and action is not free_name and action is not requested_name
+                        and action is not segment_free_name):
+                    # First sighting of this string object: learn which action it names.
+                    if action == "alloc":
+                        alloc_name = action
+                    elif action == "free_completed":
+                        free_name = action
+                    elif action == "free_requested":
+                        requested_name = action
+                    elif action == "segment_free":
+                        segment_free_name = action
+                if action is requested_name:
+                    in_segment_free_run = False
                     continue
-                self._lock()
-                try:
-                    rc = self._malloc(size, stream, 0, &b)
-                finally:
-                    self._unlock()
-                if rc == BACKEND_OOM:
-                    ooms += 1
-                    live[addr] = 0
-                else:
-                    live[addr] = b.ptr
-                    matches += b.ptr == addr
-            elif action is free_name:
-                addr = d[k_addr]
-                found = live.find(addr)
-                if found == live.end():
-                    unknown += 1
-                else:
-                    ptr = deref(found).second
-                    live.erase(found)
-                    if ptr:
-                        self._lock()
-                        try:
-                            b = self._lookup_allocated(ptr)
+                if action is alloc_name:
+                    allocations += 1
+                    addr = v_addr
+                    size = v_size
+                    stream = v_stream
+                    if size == 0:
+                        continue
+                    if self._malloc(size, stream, 0, &b) == BACKEND_OOM:
+                        ooms += 1
+                        live.insert(addr, &out_of_memory)
+                    else:
+                        live.insert(addr, b)
+                        matches += b.ptr == addr
+                elif action is free_name:
+                    addr = v_addr
+                    b = live.get(addr)
+                    if b == NULL:
+                        unknown += 1
+                    else:
+                        live.erase(addr)
+                        if b != &out_of_memory:
                             self._free(b)
-                        finally:
-                            self._unlock()
-            is_segment_free = action is segment_free_name
-            if is_segment_free and not in_segment_free_run:
-                self._lock()
-                try:
+                is_segment_free = action is segment_free_name
+                if is_segment_free and not in_segment_free_run:
                     self._release_cached_blocks()
-                finally:
-                    self._unlock()
-            in_segment_free_run = is_segment_free
-            if progress is not None and i % progress_every == 0:
-                progress(i, n)
+                in_segment_free_run = is_segment_free
+                if progress is not None and i % progress_every == 0:
+                    progress(i, n)
+        finally:
+            self._unlock()
         if progress is not None:
             progress(n, n)
         return allocations, matches, ooms, unknown
@@ -1871,6 +1882,26 @@ cdef class Buffer:
 
 
 # ------------------------------------------------------------------------------- trace scan
+
+cdef inline bint leading_fields(dict d, object k_action, object k_addr, object k_size, object k_stream,
+                                PyObject** out) noexcept:
+    """Read action, addr, size, stream when they are d's first four keys, in that order (as in
+    every trace PyTorch writes): four steps along the dict's entry table instead of four hashed
+    lookups. Returns False for any other layout; the caller then looks the keys up."""
+    cdef Py_ssize_t pos = 0
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef PyObject* expected[4]
+    expected[0] = <PyObject*>k_action
+    expected[1] = <PyObject*>k_addr
+    expected[2] = <PyObject*>k_size
+    expected[3] = <PyObject*>k_stream
+    for j in range(4):
+        if not PyDict_Next(d, &pos, &key, &value) or key != expected[j]:
+            return False
+        out[j] = value
+    return True
+
 
 def scan_trace(list entries):
     """One pass over trace entries: ([(addr, size) of each segment_alloc], [addr of each segment_map]).
