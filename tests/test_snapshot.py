@@ -480,12 +480,13 @@ def test_memory_viz_command_line_reads_a_dumped_snapshot(memory_viz, tmp_path):
 # ------------------------------------------------------------------------------- replay
 
 def segment_layout(snapshot):
-    return [(s["address"], s["total_size"], [(b["size"], b["state"]) for b in s["blocks"]])
+    return [(s["address"], s["total_size"], s["segment_type"], s["is_expandable"],
+             [(b["size"], b["state"]) for b in s["blocks"]])
             for s in snapshot["segments"]]
 
 
 @needs_traces
-@pytest.mark.parametrize("name", ["resnet_train-default", "resnet_train-split128"])
+@pytest.mark.parametrize("name", ["resnet_train-default", "resnet_train-split128", "resnet_train-expandable"])
 def test_replay_with_history_ends_with_pytorchs_segments(name):
     ref = pytorch_snapshot(name)
     result = replay(TRACES / f"{name}.pickle.gz", placement="recorded", history=True)
