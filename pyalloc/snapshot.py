@@ -33,7 +33,7 @@ from pyalloc._core import TRACE_ACTIONS, metadata_string, stack_key
 # Ring buffer capacity when record_memory_history is not told otherwise. PyTorch's default is
 # sys.maxsize (never drop anything, grow without bound). pyalloc keeps the newest million events
 # instead: the core stores 48 bytes per entry (~48 MB full), and snapshot() turns each entry into a
-# Python dict (~0.5 KB), which is the real cost of a huge trace. Pass max_entries=sys.maxsize to
+# Python dict (~0.4 KB; 1.3 s per million here), the real cost of a huge trace. Pass max_entries=sys.maxsize to
 # keep everything, as PyTorch does.
 DEFAULT_MAX_ENTRIES = 1_000_000
 
@@ -41,7 +41,6 @@ DEFAULT_MAX_ENTRIES = 1_000_000
 SKIPPABLE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
                      "oom", "snapshot")
 _FREE_ACTIONS = frozenset(("free_requested", "free_completed"))
-_BLOCK_STATES = ("inactive", "active_pending_free", "active_allocated")
 
 
 class SnapshotError(ValueError):
@@ -150,6 +149,8 @@ class StackTable:
         compiled code, which has no frame, so that is the code that called malloc/free.
         """
         key = stack_key(1)
+        if not key:
+            return 0        # called with no Python code on the stack (from C code in a thread)
         stack_id = self._ids.get(key)
         if stack_id is None:
             stack_id = self._intern(key, sys._getframe(1))

@@ -250,6 +250,21 @@ def test_segment_frames_survive_free_and_merge():
     assert [f["name"] for f in seg["frames"][:2]] == ["inner", "outer"]
 
 
+def test_stack_key_names_code_and_instruction_of_each_frame():
+    from pyalloc._core import stack_key
+    here = inspect.currentframe()
+    key = stack_key()
+    words = [int.from_bytes(key[i:i + 8], sys.byteorder) for i in range(0, len(key), 8)]
+    codes = words[0::2]
+    expected = []
+    f = here
+    while f is not None:
+        expected.append(id(f.f_code))
+        f = f.f_back
+    assert codes == expected
+    assert stack_key(len(expected)) == b""        # every frame skipped: no stack
+
+
 def test_identical_stacks_are_interned_once():
     alloc = make_allocator(context="all")
     for _ in range(50):
