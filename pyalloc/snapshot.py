@@ -32,9 +32,9 @@ from pyalloc._core import TRACE_ACTIONS, metadata_string, stack_key
 
 # Ring buffer capacity when record_memory_history is not told otherwise. PyTorch's default is
 # sys.maxsize (never drop anything, grow without bound). pyalloc keeps the newest million events
-# instead: the core stores 48 bytes per entry (~48 MB full), and snapshot() turns each entry into a
-# Python dict (~0.4 KB; 1.3 s per million here), the real cost of a huge trace. Pass max_entries=sys.maxsize to
-# keep everything, as PyTorch does.
+# instead: the core stores 48 bytes per entry (~48 MB full), and snapshot() turns each entry into
+# a Python dict (~0.4 KB; ~1.3 s per million entries), the real cost of a huge trace. Pass
+# max_entries=sys.maxsize to keep everything, as PyTorch does.
 DEFAULT_MAX_ENTRIES = 1_000_000
 
 # Actions skip_actions may name (PyTorch's list); segment_map/segment_unmap cannot be skipped.
