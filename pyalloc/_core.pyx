@@ -31,6 +31,7 @@ from cython.operator cimport dereference as deref, preincrement as inc, predecre
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 from cpython.dict cimport PyDict_Next
 from cpython.object cimport PyObject
+import threading
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc.errors import OutOfMemoryError, format_bytes
@@ -406,6 +407,7 @@ cdef class DeviceCachingAllocator:
     cdef bint history_on
     cdef uint32_t skip_actions_mask
     cdef public bint capture_alloc_stacks              # set by the snapshot layer
+    cdef public bint capture_free_stacks               # also capture the stack of each free()
     cdef public object context_recorder                # callable() -> context id, or None
     cdef public list oom_observers                     # callables(device, alloc_size, total, free)
 
@@ -663,6 +665,11 @@ cdef class DeviceCachingAllocator:
             b.prev = remaining.prev
             if b.prev != NULL:
                 b.prev.next = b
+            elif remaining.segment_context_id:
+                # The front part now heads the segment: it carries the segment's allocation
+                # stack (only a head holds one, so merges never drop it).
+                b.segment_context_id = remaining.segment_context_id
+                remaining.segment_context_id = 0
             b.next = remaining
             remaining.prev = b
             remaining.ptr += size
@@ -706,14 +713,17 @@ cdef class DeviceCachingAllocator:
         return (neighbour != NULL and not neighbour.allocated and neighbour.event_count == 0
                 and neighbour.stream_uses.empty() and neighbour.mapped == b.mapped)
 
-    cdef void _free_block(self, Block* b) noexcept:
+    cdef void _free_block(self, Block* b, uint32_t context_id) noexcept:
         """Return a block whose uses are all over to its pool, merging with free neighbours.
 
         Free neighbours are already in the pool. The merged range is kept in one of their Block
         objects (the lower one), which then only needs repositioning in the pool; `b` and any
         second neighbour are retired. Which object survives is invisible outside the core.
+        `context_id` is the stack of the free() call that completes it (0: the trace entry
+        carries the block's allocation stack instead, as PyTorch's does).
         """
-        self._trace(TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream, b.context_id)
+        self._trace(TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream,
+                    context_id if context_id else b.context_id)
         cdef BlockPool* pool = b.pool
         cdef size_t original_size = b.size
         cdef size_t requested = b.requested_size
@@ -820,7 +830,7 @@ cdef class DeviceCachingAllocator:
         self.outstanding_events -= 1
         b.event_count -= 1
         if b.event_count == 0:
-            self._free_block(b)
+            self._free_block(b, 0)
 
     cdef int _synchronize_and_free_events(self) except -1:
         """Wait for every outstanding event and free the blocks that were waiting on them."""
@@ -839,7 +849,7 @@ cdef class DeviceCachingAllocator:
     # ------------------------------------------------------------------------- segments
 
     cdef int _alloc_block(self, BlockPool* pool, uintptr_t stream, size_t alloc_size, size_t size,
-                          bint is_retry, Block** out) except -1:
+                          bint is_retry, uint32_t context_id, Block** out) except -1:
         """Get new device memory for a request of `size` rounded bytes: 0 and *out set (a free
         block out of any pool), or BACKEND_OOM.
 
@@ -862,7 +872,7 @@ cdef class DeviceCachingAllocator:
         if alloc_size >= self.max_split_size:
             stat_add(&self.oversize_segments, 1)
         self.num_device_alloc += 1
-        self._trace(TR_SEGMENT_ALLOC, ptr, alloc_size, stream, 0)
+        self._trace(TR_SEGMENT_ALLOC, ptr, alloc_size, stream, context_id)
         out[0] = b
         return 0
 
@@ -1138,7 +1148,7 @@ cdef class DeviceCachingAllocator:
                 have = self._mapped_bytes(pool, stream)
                 if nbytes > have:
                     if self._try_allocate_expandable_block(pool, stream, nbytes - have, &b) == BACKEND_OOM:
-                        self._record_oom(nbytes - have)
+                        self._record_oom(nbytes - have, nbytes - have, stream, 0)
                         rc = BACKEND_OOM
                     else:
                         self._pool_insert(pool, b)
@@ -1268,22 +1278,25 @@ cdef class DeviceCachingAllocator:
         cdef size_t alloc_size = segment_size_for(size)
         if self._gc_enabled():
             self._garbage_collect()
-        if (self._alloc_block(pool, stream, alloc_size, size, False, &b) == BACKEND_OOM
+        if (self._alloc_block(pool, stream, alloc_size, size, False, context_id, &b) == BACKEND_OOM
                 and not (self._release_available_cached_blocks(pool, stream, size)
-                         and self._alloc_block(pool, stream, alloc_size, size, False, &b) == 0)
+                         and self._alloc_block(pool, stream, alloc_size, size, False, context_id, &b) == 0)
                 and not (self._release_cached_blocks() == 0
-                         and self._alloc_block(pool, stream, alloc_size, size, True, &b) == 0)):
-            self._record_oom(alloc_size)
+                         and self._alloc_block(pool, stream, alloc_size, size, True, context_id, &b) == 0)):
+            self._record_oom(alloc_size, size, stream, context_id)
             return BACKEND_OOM
         if b.prev == NULL and not b.segment_context_id:
             b.segment_context_id = context_id
         out[0] = self._alloc_found_block(b, False, orig_size, size, context_id)
         return 0
 
-    cdef int _record_oom(self, size_t alloc_size) except -1:
+    cdef int _record_oom(self, size_t alloc_size, size_t rounded, uintptr_t stream,
+                         uint32_t context_id) except -1:
         cdef size_t free_bytes = 0, total_bytes = 0
         self.backend.memory_info(&free_bytes, &total_bytes)
-        self._trace(TR_OOM, free_bytes, alloc_size, 0, 0)
+        # PyTorch's oom entry: device free bytes in addr, the rounded request (not the segment
+        # size) in size, and the failing call's stream and stack.
+        self._trace(TR_OOM, free_bytes, rounded, stream, context_id)
         self.num_ooms += 1
         self.oom_alloc_size = alloc_size
         self.oom_free = free_bytes
@@ -1353,24 +1366,30 @@ cdef class DeviceCachingAllocator:
         if p == 0:
             return
         cdef Block* b
+        # The free call site is captured outside the lock (it runs Python), and only when
+        # history asks for it (context="all"): one C test otherwise.
+        cdef uint32_t context_id = 0
+        if self.capture_free_stacks:
+            context_id = self.context_recorder()
         self._lock()
         try:
             b = self._lookup_allocated(p)
-            self._free(b)
+            self._free(b, context_id)
         finally:
             self._unlock()
 
-    cdef int _free(self, Block* b) except -1:
+    cdef int _free(self, Block* b, uint32_t context_id) except -1:
         b.allocated = False
         cdef BlockPool* pool = b.pool
         cdef int slot = 1 if pool.is_small else 2
         self._stat_down(ST_ALLOCATION, slot, 1)
         self._stat_down(ST_ALLOCATED_BYTES, slot, <int64_t>b.size)
-        self._trace(TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream, b.context_id)
+        self._trace(TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream,
+                    context_id if context_id else b.context_id)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, -1)
         if b.stream_uses.empty():
-            self._free_block(b)
+            self._free_block(b, context_id)
         else:
             self._insert_events(b)
         return 0
@@ -1587,15 +1606,36 @@ cdef class DeviceCachingAllocator:
     # ------------------------------------------------------------------------- history
 
     def _set_history(self, bint enabled, size_t max_entries, uint32_t skip_mask, bint clear):
-        """Switch the trace ring buffer on/off; turning it off clears it (PyTorch's semantics)."""
+        """Switch the trace ring buffer on/off; turning it off clears it (PyTorch's semantics).
+
+        While on, `clear` empties it, and a new `max_entries` keeps the newest entries that fit
+        (PyTorch leaves a resized buffer out of order; keeping the newest is what a user wants).
+        """
+        if enabled and max_entries == 0:
+            raise ValueError("max_entries must be >= 1 while history is on, got 0")
+        cdef vector[TraceEntry] kept
+        cdef size_t n, start, i
+        cdef uint64_t total
         self._lock()
-        if not enabled:
-            self.history.reset(0)
-        elif clear or not self.history_on or self.history.capacity != max_entries:
-            self.history.reset(max_entries)
-        self.history_on = enabled
-        self.skip_actions_mask = skip_mask
-        self._unlock()
+        try:
+            if not enabled:
+                self.history.reset(0)
+            elif clear or not self.history_on:
+                self.history.reset(max_entries)
+            elif self.history.capacity != max_entries:
+                n = self.history.entries.size()
+                start = n - max_entries if n > max_entries else 0
+                for i in range(start, n):
+                    kept.push_back(self.history.at(i))
+                total = self.history.total
+                self.history.reset(max_entries)
+                for i in range(kept.size()):
+                    self.history.push(kept[i])
+                self.history.total = total
+            self.history_on = enabled
+            self.skip_actions_mask = skip_mask
+        finally:
+            self._unlock()
 
     def _history_entries(self):
         """Trace entries oldest first as tuples
@@ -1615,6 +1655,24 @@ cdef class DeviceCachingAllocator:
         finally:
             self._unlock()
         return out, dropped
+
+    def _live_bytes_by_metadata(self, bint requested):
+        """{metadata_id: bytes} over allocated blocks: block sizes, or requested sizes if `requested`.
+
+        Blocks freed but waiting for stream events are not counted (the caller gave them up).
+        """
+        cdef vector[Block*] blocks
+        cdef Block* b
+        cdef unordered_map[uint32_t, size_t] sums
+        self._lock()
+        try:
+            self.active_blocks.values(&blocks)
+            for b in blocks:
+                if b.allocated:
+                    sums[b.metadata_id] += b.requested_size if requested else b.size
+        finally:
+            self._unlock()
+        return {p.first: p.second for p in sums}
 
     def _record_snapshot_entry(self):
         """Add a `snapshot` trace entry (addr 0, size = active bytes), as taking a snapshot does."""
@@ -1800,7 +1858,7 @@ cdef class DeviceCachingAllocator:
                     else:
                         live.erase(addr)
                         if b != &out_of_memory:
-                            self._free(b)
+                            self._free(b, 0)
                 is_segment_free = action is segment_free_name
                 if is_segment_free and not in_segment_free_run:
                     self._release_cached_blocks()
@@ -1921,24 +1979,91 @@ def scan_trace(list entries):
         elif action == "segment_map":
             segment_maps.append(d["addr"])
     return segment_allocs, segment_maps
+# ------------------------------------------------------------------------------- stacks
+
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "frameobject.h"
+    #endif
+    /* The frame a stack walk starts from, and the last instruction of a frame, on every
+       supported Python (PyFrame_GetLasti is 3.11+; 3.10 exposes the field). */
+    static inline PyFrameObject* pyalloc_current_frame(void) {
+        PyFrameObject* f = PyEval_GetFrame();   /* borrowed */
+        Py_XINCREF(f);
+        return f;
+    }
+    static inline int pyalloc_frame_lasti(PyFrameObject* f) {
+    #if PY_VERSION_HEX >= 0x030B0000
+        return PyFrame_GetLasti(f);
+    #else
+        return f->f_lasti;
+    #endif
+    }
+    """
+    ctypedef struct PyFrameObject
+    ctypedef struct PyCodeObject
+    PyFrameObject* pyalloc_current_frame()                 # new reference or NULL
+    int pyalloc_frame_lasti(PyFrameObject*)
+    PyFrameObject* PyFrame_GetBack(PyFrameObject*)         # new reference or NULL
+    PyCodeObject* PyFrame_GetCode(PyFrameObject*)          # new reference
+    void Py_DECREF(void*)
+    object PyBytes_FromStringAndSize(const char*, Py_ssize_t)
+
+
+def stack_key(int skip=0):
+    """Bytes naming the calling thread's Python stack: (code object address, last instruction)
+    of every frame, innermost first, after dropping `skip` frames (the caller's own is the first).
+
+    Walking frames in C costs a few nanoseconds a frame, against ~200 ns for f_back/f_lineno in
+    Python, so capturing a stack on every malloc stays cheap. A key only identifies a stack
+    while its code objects are alive: pyalloc.snapshot.StackTable keeps them alive.
+    """
+    cdef PyFrameObject* f = pyalloc_current_frame()
+    cdef PyFrameObject* back
+    cdef PyCodeObject* code
+    cdef vector[uintptr_t] key
+    while f != NULL:
+        if skip > 0:
+            skip -= 1
+        else:
+            code = PyFrame_GetCode(f)
+            key.push_back(<uintptr_t>code)
+            key.push_back(<uintptr_t>pyalloc_frame_lasti(f))
+            Py_DECREF(code)
+        back = PyFrame_GetBack(f)
+        Py_DECREF(f)
+        f = back
+    return PyBytes_FromStringAndSize(<const char*>key.data(), key.size() * sizeof(uintptr_t))
 
 
 # ------------------------------------------------------------------------------- metadata
 
+# Metadata strings are interned process-wide: blocks and trace entries hold a uint32 id, so
+# stamping them costs nothing. The table only grows (one entry per distinct string ever set).
 _metadata_strings = [""]        # id -> string; id 0 is "no metadata"
 _metadata_ids = {"": 0}
+_metadata_lock = threading.Lock()   # two threads interning one new string must agree on its id
 
 
-def set_memory_metadata(str text):
-    """Set this thread's metadata string; stamped on trace entries and live blocks. "" clears it."""
+def set_memory_metadata(text):
+    """Set this thread's metadata string; stamped on trace entries and live blocks. "" clears it.
+
+    Per OS thread, process-wide (all allocators), like torch.cuda.memory._set_memory_metadata.
+    Raises TypeError (state unchanged) when `text` is not a str.
+    """
     cdef uint32_t mid
-    if text is None or not isinstance(text, str):
-        raise TypeError(f"metadata must be a str, got {type(text).__name__} {text!r}")
+    if not isinstance(text, str):
+        raise TypeError(f"memory metadata must be a str, got {type(text).__name__} {text!r}")
+    text = str(text)        # a str subclass is stored as a plain str (it is pickled in snapshots)
     mid = _metadata_ids.get(text, 0)
     if text and not mid:
-        mid = len(_metadata_strings)
-        _metadata_strings.append(text)
-        _metadata_ids[text] = mid
+        with _metadata_lock:
+            mid = _metadata_ids.get(text, 0)
+            if not mid:
+                mid = len(_metadata_strings)
+                _metadata_strings.append(text)
+                _metadata_ids[text] = mid
     global current_metadata_id
     if mid:
         set_metadata_in_use(True)

@@ -4,7 +4,8 @@ Every allocation decision is made by DeviceCachingAllocator in _core.pyx; this m
 to its settings and backend and formats what it reports.
 """
 from pyalloc import config as _config
-from pyalloc._core import Buffer, DeviceCachingAllocator
+from pyalloc import snapshot as _snapshot
+from pyalloc._core import Buffer, DeviceCachingAllocator, metadata_string
 from pyalloc._backend import Backend
 from pyalloc.errors import format_bytes
 
@@ -48,6 +49,8 @@ class CachingAllocator(DeviceCachingAllocator):
         settings = _config.current_settings().copy() if config is None else _config.resolve_config(config)
         super().__init__(make_backend(backend, device))
         self._settings = settings
+        self._history = None          # HistorySettings while memory history is on
+        self._stacks = None           # StackTable, made when stacks are first asked for
         self._apply_settings(settings)
         self._init_stat_max_split_size()
         if settings.per_process_memory_fraction < 1.0:
@@ -73,6 +76,83 @@ class CachingAllocator(DeviceCachingAllocator):
     def allocate(self, nbytes, stream=0):
         """Allocate `nbytes` bytes on `stream` as a Buffer, freed by close(), `with` or collection."""
         return Buffer(self, nbytes, stream)
+
+    # ------------------------------------------------------------------ memory history
+
+    def record_memory_history(self, enabled="all", context="all", stacks="python",
+                              max_entries=_snapshot.DEFAULT_MAX_ENTRIES, clear_history=False,
+                              skip_actions=None):
+        """Start, change or stop recording allocator events, as torch.cuda.memory._record_memory_history.
+
+        Args:
+            enabled: "all" keeps a trace of events in a ring buffer; "state" tracks only live
+                blocks (the trace keeps one entry); None stops recording and clears the trace.
+            context: when Python stacks are captured: None never; "state" for live blocks
+                only; "alloc" also on trace entries; "all" also the stack of each free() call.
+            stacks: "python" (Python frames). "all" is accepted for PyTorch compatibility and
+                records the same frames: pyalloc has no C++ callers worth unwinding.
+            max_entries: ring buffer capacity in entries (default 1,000,000; PyTorch's is
+                sys.maxsize). The core stores 48 bytes per entry. When full, the oldest entry
+                is overwritten. Changing it while recording keeps the newest entries that fit.
+            clear_history: empty the ring buffer first.
+            skip_actions: actions not to record, from "alloc", "free_requested",
+                "free_completed", "segment_alloc", "segment_free", "oom", "snapshot".
+
+        Raises TypeError/ValueError naming the bad value; history is then left as it was.
+        Capturing a stack costs a few microseconds per malloc (and per free with "all"); with
+        context=None recording costs one ring-buffer write per event.
+        """
+        history, capacity, mask = _snapshot.check_history_args(
+            enabled, context, stacks, max_entries, clear_history, skip_actions)
+        if history is None:
+            # Stop capturing before the ring is cleared; the recorder stays set, so a malloc
+            # that already saw the flag on in another thread can still call it.
+            self.capture_alloc_stacks = False
+            self.capture_free_stacks = False
+            self._set_history(False, 0, 0, False)
+            self._history = None
+            return
+        if history.context is not None and self._stacks is None:
+            self._stacks = _snapshot.StackTable()
+            self.context_recorder = self._stacks.record
+        self._set_history(True, capacity, mask, clear_history)
+        self.capture_alloc_stacks = history.context is not None
+        self.capture_free_stacks = history.context == "all"
+        self._history = history
+
+    @property
+    def history_settings(self):
+        """The HistorySettings record_memory_history switched on, or None while history is off."""
+        return self._history
+
+    def snapshot(self):
+        """This allocator's memory snapshot as a dict in PyTorch's format (torch.cuda.memory._snapshot()).
+
+        Keys: segments, device_traces, allocator_settings, external_annotations; see
+        pyalloc.snapshot. Blocks also carry `user_metadata`, the metadata current when they
+        were allocated. Taking a snapshot while history is on records a `snapshot` event.
+        """
+        return _snapshot.build_snapshot(self, self._history, self._stacks)
+
+    def dump_snapshot(self, path="dump_snapshot.pickle"):
+        """Write snapshot() to `path` as a pickle (protocol 4; gzip when the name ends in ".gz").
+
+        pytorch.org/memory_viz and `python -m torch.cuda._memory_viz` read the uncompressed file.
+        """
+        _snapshot.dump(self.snapshot(), path)
+
+    def memory_by_metadata(self, requested=False):
+        """Live bytes per metadata string: {metadata: bytes}, largest first.
+
+        Counts blocks handed out and not freed, under the metadata current in the allocating
+        thread when they were allocated ("" for none). Bytes are block sizes (what the
+        allocator holds for them; the values sum to memory_allocated()), or the sizes the
+        callers asked for when `requested` is True. Blocks freed but still waiting for other
+        streams are not counted.
+        """
+        sums = self._live_bytes_by_metadata(bool(requested))
+        out = {metadata_string(mid): nbytes for mid, nbytes in sums.items()}
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def memory_summary(self):
         """A readable table of the statistics, laid out like torch.cuda.memory_summary()."""

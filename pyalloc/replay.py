@@ -6,8 +6,9 @@ events are fed, in order, to a CachingAllocator on a SimDevice. With recorded pl
 segments are put at the addresses of the trace's own `segment_alloc` entries, so a faithful
 allocator hands out every allocation at the address PyTorch returned.
 """
+import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 from pyalloc.allocator import CachingAllocator
 from pyalloc.snapshot import SnapshotError, load
@@ -34,6 +35,8 @@ class ReplayResult:
     events: int               # trace entries read
     seconds: float
     wrapped: bool             # True when the trace's ring buffer had dropped its oldest entries
+    # The allocator's final snapshot (PyTorch's format) when replayed with history=True.
+    snapshot: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def events_per_second(self):
@@ -44,7 +47,8 @@ class ReplayResult:
         return self.peak_reserved / self.peak_requested if self.peak_requested else float("nan")
 
     def as_dict(self):
-        out = asdict(self)
+        """The figures as a flat dict (the snapshot, if any, is left out)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "snapshot"}
         out["events_per_second"] = self.events_per_second
         out["reserved_over_requested"] = self.reserved_over_requested
         return out
@@ -94,7 +98,7 @@ def recorded_reservations(snapshot, map_addrs, device_memory, device=0):
 
 
 def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None,
-           on_finish=None):
+           on_finish=None, history=False):
     """Replay a snapshot's allocation stream through a CachingAllocator on a SimDevice.
 
     Args:
@@ -109,10 +113,15 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         progress: optional callable(done_events, total_events), called every 65536 events.
         on_finish: optional callable(allocator), called with the CachingAllocator once the last
             event is replayed and before the figures are read (e.g. to write its snapshot).
+        history: True records the replay's own memory history (enabled="all", context=None,
+            every event kept) and puts the allocator's final snapshot in ReplayResult.snapshot.
+            Off by default: the replay loop then records nothing.
     Returns a ReplayResult.
     """
     if placement not in ("recorded", "fresh"):
         raise ValueError(f"placement must be 'recorded' or 'fresh', got {placement!r}")
+    if not isinstance(history, bool):
+        raise TypeError(f"history must be True or False, got {type(history).__name__} {history!r}")
     snapshot = load(trace) if not isinstance(trace, dict) else trace
     entries = trace_entries(snapshot, device)
     if config is None:
@@ -127,7 +136,10 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         sim.place_segments(segment_allocs)
         sim.place_reservations(recorded_reservations(snapshot, segment_maps, device_memory, device))
     alloc = CachingAllocator(device, backend=sim, config=config)
+    if history:
+        alloc.record_memory_history(enabled="all", context=None, max_entries=sys.maxsize)
     allocations, matches, _, unknown_frees = alloc._replay(entries, progress)
+    seconds = time.perf_counter() - started
     if on_finish is not None:
         on_finish(alloc)
     stats = alloc.memory_stats()
@@ -140,5 +152,5 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         num_device_alloc=stats["num_device_alloc"],
         num_alloc_retries=stats["num_alloc_retries"],
         num_ooms=stats["num_ooms"],
-        allocations=allocations, address_matches=matches, events=len(entries),
-        seconds=time.perf_counter() - started, wrapped=unknown_frees > 0)
+        allocations=allocations, address_matches=matches, events=len(entries), seconds=seconds,
+        wrapped=unknown_frees > 0, snapshot=alloc.snapshot() if history else None)

@@ -1,15 +1,312 @@
-"""Memory snapshots in PyTorch's format: reading them (and, with memory history, writing them).
+"""Memory history and snapshots in PyTorch's format: building, writing and reading them.
 
-A snapshot is the dict torch.cuda.memory._snapshot() returns: `segments`, `device_traces`,
-`allocator_settings`, `external_annotations`. Files are pickles, optionally gzip-compressed.
+A snapshot is the dict torch.cuda.memory._snapshot() returns:
+
+* ``segments``: one dict per segment, sorted by address, with PyTorch's fields (``device``,
+  ``address``, ``total_size``, ``allocated_size``, ``active_size``, ``requested_size``, ``stream``,
+  ``segment_type``, ``segment_pool_id``, ``is_expandable``, ``frames``, ``blocks``); each block has
+  ``address``, ``size``, ``requested_size``, ``state`` (``active_allocated``,
+  ``active_pending_free`` or ``inactive``), ``frames`` and, beyond PyTorch, ``user_metadata``
+  (the metadata current when it was allocated).
+* ``device_traces``: a list indexed by device ordinal, each the history ring buffer's entries
+  oldest first (``action``, ``addr`` (``device_free`` for ``oom``), ``size``, ``stream``,
+  ``time_us``, ``compile_context``, ``user_metadata`` and, where a stack was captured, ``frames``).
+* ``allocator_settings`` and ``external_annotations`` (always empty: pyalloc has no
+  record_function annotations).
+
+Files are pickles (protocol 4 at most, which pytorch.org/memory_viz reads), gzip-compressed when
+the name ends in ``.gz``. ``python -m torch.cuda._memory_viz`` and pytorch.org/memory_viz read the
+uncompressed ones.
+
+Sizes are bytes, times are microseconds since the epoch, streams are int handles.
 """
 import gzip
 import io
+import os
 import pickle
+import sys
+import threading
+from dataclasses import dataclass
+
+from pyalloc._core import TRACE_ACTIONS, metadata_string, stack_key
+
+# Ring buffer capacity when record_memory_history is not told otherwise. PyTorch's default is
+# sys.maxsize (never drop anything, grow without bound). pyalloc keeps the newest million events
+# instead: the core stores 48 bytes per entry (~48 MB full), and snapshot() turns each entry into
+# a Python dict (~0.4 KB; ~1.3 s per million entries), the real cost of a huge trace. Pass
+# max_entries=sys.maxsize to keep everything, as PyTorch does.
+DEFAULT_MAX_ENTRIES = 1_000_000
+
+# Actions skip_actions may name (PyTorch's list); segment_map/segment_unmap cannot be skipped.
+SKIPPABLE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+                     "oom", "snapshot")
+_FREE_ACTIONS = frozenset(("free_requested", "free_completed"))
 
 
 class SnapshotError(ValueError):
     """A file is not a readable memory snapshot."""
+
+
+# ------------------------------------------------------------------------------- history settings
+
+@dataclass(frozen=True)
+class HistorySettings:
+    """What record_memory_history last switched on (None is stored when history is off).
+
+    enabled: "all" (keep the event trace) or "state" (live blocks only; the trace keeps 1 entry).
+    context: when Python stacks are captured: None, "state" (on live blocks), "alloc" (also on
+        trace entries), "all" (also the stack of each free() call).
+    stacks: "python" ("all" is accepted and means the same: pyalloc has no C++ callers to unwind).
+    max_entries: ring buffer capacity in entries.
+    skip_actions: actions not recorded.
+    """
+    enabled: str
+    context: str | None
+    stacks: str
+    max_entries: int
+    skip_actions: tuple
+
+
+def _describe(value):
+    return f"{type(value).__name__} {value!r}"
+
+
+def check_history_args(enabled, context, stacks, max_entries, clear_history, skip_actions):
+    """Validate record_memory_history's arguments (PyTorch's rules and texts, plus the value).
+
+    Returns (HistorySettings or None when enabled is None, ring capacity, skip bit mask).
+    Raises TypeError for a value of the wrong type, ValueError for a wrong value.
+    """
+    if enabled is not None and (isinstance(enabled, bool) or not isinstance(enabled, str)):
+        hint = " (PyTorch's legacy boolean form is not supported)" if isinstance(enabled, bool) else ""
+        raise TypeError(f"expected state to be 'state', 'all', or None, got {_describe(enabled)}{hint}")
+    if enabled not in (None, "state", "all"):
+        raise ValueError(f"expected state to be 'state', 'all', or None, got {enabled!r}")
+    if context is not None and not isinstance(context, str):
+        raise TypeError(f"expected context to be 'state', 'alloc', 'all', or None, got {_describe(context)}")
+    if context not in (None, "state", "alloc", "all"):
+        raise ValueError(f"expected context to be 'state', 'alloc', 'all', or None, got {context!r}")
+    if not isinstance(stacks, str):
+        raise TypeError(f"expected stacks to be 'python', or 'all', got {_describe(stacks)}")
+    if stacks not in ("python", "all"):
+        raise ValueError(f"expected stacks to be 'python', or 'all', got {stacks!r}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+        raise TypeError(f"max_entries must be an int number of trace entries, got {_describe(max_entries)}")
+    if not 1 <= max_entries <= sys.maxsize:
+        raise ValueError(f"max_entries must be between 1 and sys.maxsize, got {max_entries}")
+    if not isinstance(clear_history, bool):
+        raise TypeError(f"clear_history must be True or False, got {_describe(clear_history)}")
+    mask = 0
+    skipped = ()
+    if skip_actions is not None:
+        if isinstance(skip_actions, (str, bytes)) or not hasattr(skip_actions, "__iter__"):
+            raise TypeError(
+                f"skip_actions must be a list of action names such as ['alloc'], got {_describe(skip_actions)}")
+        skipped = tuple(skip_actions)
+        for name in skipped:
+            if name in ("segment_map", "segment_unmap"):
+                raise ValueError(f"skip_actions: {name!r} cannot be skipped (PyTorch always records it)")
+            if name not in SKIPPABLE_ACTIONS:
+                raise ValueError(
+                    f"skip_actions: unknown action {name!r}; expected some of {', '.join(SKIPPABLE_ACTIONS)}")
+            mask |= 1 << TRACE_ACTIONS.index(name)
+    if enabled is None:
+        return None, 0, 0
+    # enabled="state" keeps no trace to speak of: PyTorch forces the capacity to one entry.
+    capacity = 1 if enabled == "state" else max_entries
+    settings = HistorySettings(enabled, context, stacks, capacity,
+                               tuple(sorted(set(skipped), key=SKIPPABLE_ACTIONS.index)))
+    return settings, capacity, mask
+
+
+# ------------------------------------------------------------------------------- stacks
+
+class StackTable:
+    """Python call stacks interned to uint32 ids (0 = no stack), for the core to store.
+
+    `record()` is the allocator's context_recorder: the core calls it (outside its lock) on
+    malloc, and on free when context="all". A stack is recognised by the code object and last
+    instruction of every frame, read in C (pyalloc._core.stack_key), so a stack seen before costs
+    about a microsecond; a new one is read frame by frame in Python once. The table grows by one
+    entry per distinct stack, not per call, and keeps that stack's code objects alive (so their
+    addresses in the keys stay unique) for as long as the allocator lives.
+    """
+
+    def __init__(self):
+        self._ids = {}              # stack key (bytes) -> id
+        self._stacks = [()]         # id -> ((filename, line, name), ...) innermost first
+        self._codes = [()]          # id -> the code objects its key names, kept alive
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        """Distinct stacks recorded."""
+        return len(self._stacks) - 1
+
+    def record(self):
+        """Intern the calling thread's Python stack, innermost frame first, and return its id.
+
+        The innermost frame is the Python code that called record(); the core calls it from
+        compiled code, which has no frame, so that is the code that called malloc/free.
+        """
+        key = stack_key(1)
+        if not key:
+            return 0        # called with no Python code on the stack (from C code in a thread)
+        stack_id = self._ids.get(key)
+        if stack_id is None:
+            stack_id = self._intern(key, sys._getframe(1))
+        return stack_id
+
+    def _intern(self, key, frame):
+        codes = []
+        stack = []
+        while frame is not None:
+            code = frame.f_code
+            codes.append(code)
+            stack.append((code.co_filename, frame.f_lineno, code.co_name))
+            frame = frame.f_back
+        with self._lock:
+            stack_id = self._ids.get(key)
+            if stack_id is None:
+                stack_id = len(self._stacks)
+                self._stacks.append(tuple(stack))
+                self._codes.append(tuple(codes))
+                self._ids[key] = stack_id
+        return stack_id
+
+    def frames(self, stack_id):
+        """The stack of an id as PyTorch's frame dicts {filename, line, name}, innermost first."""
+        return [{"filename": fn, "line": line, "name": name} for fn, line, name in self._stacks[stack_id]]
+
+
+def capture_stack(skip=0):
+    """The caller's Python stack as PyTorch's frame dicts {filename, line, name}, innermost first.
+
+    The caller's own frame comes first; `skip` drops that many frames from the inner end.
+    """
+    out = []
+    f = sys._getframe(1 + skip)
+    while f is not None:
+        out.append({"filename": f.f_code.co_filename, "line": f.f_lineno, "name": f.f_code.co_name})
+        f = f.f_back
+    return out
+
+
+# ------------------------------------------------------------------------------- building
+
+def build_snapshot(allocator, history, stacks):
+    """The snapshot dict of one pyalloc allocator (see the module docstring for its shape).
+
+    `history` is the allocator's HistorySettings (None when off) and `stacks` its StackTable (or
+    None). As in PyTorch, the trace is read first and then the segments, and reading the
+    segments records a `snapshot` trace entry (addr 0, size = active bytes), so a snapshot's own
+    entry shows in the next snapshot's trace.
+    """
+    device = allocator.device
+    entries, _dropped = allocator._history_entries()
+    segments = allocator._segments()
+    allocator._record_snapshot_entry()
+
+    frames_of = {}
+    metadata_of = {}
+
+    def frames(stack_id):
+        # One list per stack and snapshot: entries with the same stack share it (the pickle
+        # memoizes it once, which keeps files of long traces small).
+        out = frames_of.get(stack_id)
+        if out is None:
+            out = frames_of[stack_id] = stacks.frames(stack_id) if stacks is not None else []
+        return out
+
+    def metadata(metadata_id):
+        text = metadata_of.get(metadata_id)
+        if text is None:
+            text = metadata_of[metadata_id] = metadata_string(metadata_id)
+        return text
+
+    level = history.context if history is not None else None
+    stacks_on_entries = level in ("alloc", "all")
+    trace = []
+    for action, addr, size, stream, time_us, metadata_id, stack_id in entries:
+        entry = {"action": action, ("device_free" if action == "oom" else "addr"): addr,
+                 "size": size, "stream": stream, "time_us": time_us,
+                 "compile_context": "N/A", "user_metadata": metadata(metadata_id)}
+        # PyTorch: entries carry frames when context >= "alloc"; free entries also carry the
+        # block's allocation stack whenever one was kept (so even with context="state").
+        if stack_id and (stacks_on_entries or action in _FREE_ACTIONS):
+            entry["frames"] = frames(stack_id)
+        trace.append(entry)
+
+    out_segments = []
+    for seg in segments:
+        blocks = []
+        allocated_size = active_size = requested_size = 0
+        for b in seg["blocks"]:
+            size = b["size"]
+            if b["allocated"]:
+                state = "active_allocated"
+                allocated_size += size
+            elif b["pending_free"]:
+                state = "active_pending_free"
+            else:
+                state = "inactive"
+            if state != "inactive":
+                active_size += size
+                requested_size += b["requested_size"]
+            blocks.append({
+                "address": b["address"], "size": size, "requested_size": b["requested_size"],
+                "state": state, "frames": frames(b["context_id"]) if b["context_id"] else [],
+                "user_metadata": metadata(b["metadata_id"]),
+            })
+        out_segments.append({
+            "device": device, "address": seg["address"], "total_size": seg["total_size"],
+            "allocated_size": allocated_size, "active_size": active_size,
+            "requested_size": requested_size, "stream": seg["stream"],
+            "segment_type": "small" if seg["is_small"] else "large",
+            "segment_pool_id": (0, 0), "is_expandable": seg["is_expandable"],
+            "frames": frames(seg["context_id"]) if seg["context_id"] else [],
+            "blocks": blocks,
+        })
+
+    device_traces = [[] for _ in range(device)]
+    device_traces.append(trace)
+    return {
+        "segments": out_segments,
+        "device_traces": device_traces,
+        "allocator_settings": allocator.settings.to_snapshot_dict(),
+        "external_annotations": [],
+    }
+
+
+# ------------------------------------------------------------------------------- files
+
+MAX_PROTOCOL = 4   # pytorch.org/memory_viz cannot read protocol 5 ("Unhandled version 5")
+
+
+def _path(path, what):
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"{what} must be a file path (str or os.PathLike), got {_describe(path)}") from None
+
+
+def dump(snapshot, path, *, protocol=MAX_PROTOCOL):
+    """Write a snapshot dict to `path` as a pickle; gzip-compressed when the name ends in ".gz".
+
+    `protocol` is the pickle protocol, at most 4 (the default) so pytorch.org/memory_viz reads
+    the file. Raises TypeError for a non-dict snapshot or a bad path, ValueError for a protocol
+    above 4, OSError when the file cannot be written.
+    """
+    path = _path(path, "path")
+    if not isinstance(snapshot, dict):
+        raise TypeError(f"snapshot must be a dict (from snapshot()), got {type(snapshot).__name__}")
+    if isinstance(protocol, bool) or not isinstance(protocol, int) or not 0 <= protocol <= MAX_PROTOCOL:
+        raise ValueError(f"protocol must be an int in 0..{MAX_PROTOCOL} (memory_viz reads no higher), got {protocol!r}")
+    data = pickle.dumps(snapshot, protocol=protocol)
+    name = path.decode() if isinstance(path, bytes) else path
+    if name.endswith(".gz"):
+        data = gzip.compress(data, compresslevel=6)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -22,11 +319,14 @@ class _PlainUnpickler(pickle.Unpickler):
 def load(path):
     """Read a PyTorch or pyalloc snapshot (.pickle or .pickle.gz) and return its dict.
 
-    A bare list (an old torch.cuda.memory_snapshot() segment list) is wrapped as
-    {"segments": list, "device_traces": []}, as torch.cuda._memory_viz does.
-    Raises SnapshotError naming the file for anything that is not a snapshot.
+    Compression is detected from the content, not the name. A bare list (an old
+    torch.cuda.memory_snapshot() segment list) is wrapped as {"segments": list, "device_traces": []},
+    as torch.cuda._memory_viz does. Raises TypeError for a path that is not str/PathLike, and
+    SnapshotError (a ValueError) naming the file for anything unreadable or not a snapshot:
+    a missing or unreadable file, bad gzip data, a non-pickle, a pickle that references any
+    global (it is never imported), or a pickle of something other than a snapshot.
     """
-    path = str(path)
+    path = _path(path, "snapshot path")
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -35,7 +335,7 @@ def load(path):
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as err:
+        except (OSError, EOFError, ValueError) as err:
             raise SnapshotError(f"{path!r} looks gzip-compressed but does not decompress: {err}") from err
     try:
         data = _PlainUnpickler(io.BytesIO(raw)).load()
@@ -49,4 +349,20 @@ def load(path):
         raise SnapshotError(
             f"{path!r} is a pickle but not a memory snapshot: expected a dict with 'segments', "
             f"got {type(data).__name__}")
+    _check_shape(path, data)
     return data
+
+
+def _check_shape(path, data):
+    """Reject dicts that merely have a 'segments' key: what replay and the viewers index must be there."""
+    segments = data["segments"]
+    if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+        raise SnapshotError(f"{path!r} is not a memory snapshot: 'segments' is not a list of segment dicts")
+    for s in segments:
+        missing = [k for k in ("address", "total_size", "blocks") if k not in s]
+        if missing:
+            raise SnapshotError(
+                f"{path!r} is not a memory snapshot: a segment lacks {', '.join(missing)}")
+    traces = data.get("device_traces", [])
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise SnapshotError(f"{path!r} is not a memory snapshot: 'device_traces' is not a list of lists")
