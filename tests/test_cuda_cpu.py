@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import pyalloc
-from pyalloc import cuda_backend, defaults
+from pyalloc import cuda_backend
 from pyalloc.errors import NoCudaDriverError, OutOfMemoryError
 
 MiB = 1 << 20
