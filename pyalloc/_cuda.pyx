@@ -69,7 +69,6 @@ def probe():
     global _initialized, _device_count
     cdef cydriver.CUresult r
     cdef int count = 0
-    cdef int version = 0
     if _initialized:
         return _device_count, ""
     try:

@@ -51,6 +51,12 @@ def probe():
 
 
 @scenario
+def driver_version():
+    from pyalloc import _cuda
+    return _cuda.driver_version()
+
+
+@scenario
 def backend_none_picks_cuda_and_logs():
     records = []
     handler = logging.Handler()

@@ -48,6 +48,10 @@ def test_probe_finds_the_fake_driver_and_its_devices(results):
     assert value(results, "probe") == [True, 2, ""]
 
 
+def test_driver_version_is_read_from_the_driver(results):
+    assert value(results, "driver_version") == 13000
+
+
 def test_backend_none_picks_cuda_when_a_gpu_is_there_and_logs_it(results):
     kind, messages = value(results, "backend_none_picks_cuda_and_logs")
     assert kind == "cuda"

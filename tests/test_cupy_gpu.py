@@ -59,7 +59,7 @@ class HostFlag:
     def __init__(self):
         rt = cp.cuda.runtime
         self.host = rt.hostAlloc(4, rt.hostAllocMapped)
-        self.device = rt.hostGetDevicePointer(self.host, 0)
+        self.device = rt.pointerGetAttributes(self.host).devicePointer
         self.set(0)
 
     def set(self, value):
