@@ -32,14 +32,15 @@ from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc.errors import OutOfMemoryError, format_bytes
 
-cdef extern from "<mutex>" namespace "std" nogil:
-    cdef cppclass recursive_mutex:
-        void lock()
-        bint try_lock()
-        void unlock()
-
 cdef extern from "_types.h" namespace "pyalloc" nogil:
     cdef cppclass BlockPool
+
+    cdef struct ExpandableSegment:
+        uintptr_t base
+        size_t size
+        size_t page_size
+        uintptr_t stream
+        BlockPool* pool
 
     cdef cppclass Block:
         uintptr_t stream
@@ -52,6 +53,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         bint allocated
         bint mapped
         bint expandable
+        ExpandableSegment* segment
         int event_count
         int64_t gc_count_base
         vector[uintptr_t] stream_uses
@@ -70,34 +72,48 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         iterator begin()
         iterator end()
         iterator lower_bound(Block*)
-        iterator find(Block*)
         void erase(Block*)
-        iterator erase(iterator)
+        iterator erase_at(iterator)
         void insert(Block*)
+        void reposition(Block*)
         size_t size()
         bint empty()
         bint contains(Block*)
 
+    cdef cppclass AllocatorLock:
+        bint try_lock()
+        void lock()
+        void unlock()
+
+    cdef cppclass UnmappedSet:
+        cppclass iterator:
+            Block* operator*()
+            iterator operator++()
+            bint operator==(iterator)
+            bint operator!=(iterator)
+        iterator begin()
+        iterator end()
+        iterator lower_bound(Block*)
+        iterator find(Block*)
+        size_t erase(Block*)
+        pair[iterator, bint] insert(Block*)
+        size_t size()
+
     cdef cppclass BlockPool:
         BlockSet blocks
+        UnmappedSet unmapped
         bint is_small
         int64_t owner_id
         int64_t get_free_blocks_call_count
         BlockPool(bint, int64_t)
 
     cdef cppclass ActiveMap:
-        cppclass iterator:
-            pair[uintptr_t, Block*]& operator*()
-            iterator operator++()
-            bint operator==(iterator)
-            bint operator!=(iterator)
         ActiveMap()
-        iterator begin()
-        iterator end()
-        iterator find(uintptr_t)
+        Block* get(uintptr_t)
         void erase(uintptr_t)
         void insert(uintptr_t, Block*)
         size_t size()
+        void values(vector[Block*]*)
 
     cdef struct TraceEntry:
         int32_t action
@@ -117,6 +133,8 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         vector[TraceEntry] entries
 
     uint32_t current_metadata_id
+    uint32_t metadata_for_this_thread()
+    void set_metadata_in_use "pyalloc::metadata_in_use.store"(bint)
 
 
 ctypedef pair[uintptr_t, Block*] EventEntry          # (event, block waiting on it)
@@ -193,6 +211,18 @@ cdef inline void stat_add(Stat* s, int64_t delta) noexcept nogil:
         s.freed -= delta
 
 
+cdef inline void stat_increase(Stat* s, int64_t amount) noexcept nogil:
+    s.current += amount
+    s.allocated += amount
+    if s.current > s.peak:
+        s.peak = s.current
+
+
+cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
+    s.current -= amount
+    s.freed += amount
+
+
 cdef inline int floor_log2(size_t x) noexcept nogil:
     return 63 - __builtin_clzll(x)
 
@@ -212,6 +242,27 @@ cdef inline size_t roundup_power2_next_division(size_t size, size_t divisions) n
     return size if floor_to_step == size else floor_to_step + step
 
 
+cdef inline size_t reservation_size(size_t total_bytes, size_t page) noexcept nogil:
+    """Address space an expandable segment reserves: 1.125x the device's memory, in whole pages,
+    so one segment per stream and pool can grow as far as physical memory allows."""
+    return page * ((total_bytes + total_bytes // 8 + page - 1) // page)
+
+
+def expandable_reservation_size(size_t total_bytes, bint small_pool):
+    """Bytes of address space one expandable segment reserves on a device of `total_bytes`."""
+    return reservation_size(total_bytes, kSmallBuffer if small_pool else kLargeBuffer)
+
+
+cdef inline bint is_free(Block* b) noexcept nogil:
+    """A block that could be handed out: not allocated and not waiting for other streams."""
+    return b != NULL and not b.allocated and b.event_count == 0 and b.stream_uses.empty()
+
+
+cdef inline size_t expandable_size(Block* b) noexcept nogil:
+    """A block's size plus the unmapped range right after it (room it can grow into)."""
+    return b.size + (b.next.size if b.next != NULL and not b.next.mapped else 0)
+
+
 cdef inline size_t segment_size_for(size_t rounded) noexcept nogil:
     """Bytes of the segment a new allocation of `rounded` bytes gets."""
     if rounded <= kSmallSize:
@@ -219,6 +270,15 @@ cdef inline size_t segment_size_for(size_t rounded) noexcept nogil:
     if rounded < kMinLargeAlloc:
         return kLargeBuffer
     return kRoundLarge * ((rounded + kRoundLarge - 1) // kRoundLarge)
+
+
+cdef extern from *:
+    """
+    static inline pyalloc::ExpandableSegment* new_segment_struct() { return new pyalloc::ExpandableSegment(); }
+    static inline void free_segment_struct(pyalloc::ExpandableSegment* s) { delete s; }
+    """
+    ExpandableSegment* new_segment_struct() nogil
+    void free_segment_struct(ExpandableSegment*) nogil
 
 
 cdef inline int64_t now_us() noexcept nogil:
@@ -306,7 +366,7 @@ cdef class DeviceCachingAllocator:
     snapshots on top of this class.
     """
 
-    cdef recursive_mutex mutex
+    cdef AllocatorLock mutex
     cdef readonly Backend backend
     cdef BlockPool* large_blocks
     cdef BlockPool* small_blocks
@@ -315,6 +375,7 @@ cdef class DeviceCachingAllocator:
     cdef EventQueues stream_events
     cdef size_t outstanding_events
     cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
+    cdef vector[ExpandableSegment*] expandable_segments_list
 
     # settings (bytes unless noted)
     cdef size_t max_split_size
@@ -373,6 +434,8 @@ cdef class DeviceCachingAllocator:
         for b in self.spare_blocks:
             del b
         self.spare_blocks.clear()
+        for i in range(self.expandable_segments_list.size()):
+            free_segment_struct(self.expandable_segments_list[i])
         del self.active_blocks
         del self.large_blocks
         del self.small_blocks
@@ -406,8 +469,6 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             divs[i] = divisions[i]
         cdef bint expandable = settings.expandable_segments
-        if expandable:
-            raise NotImplementedError("expandable_segments:True is not implemented yet in pyalloc")
         self._lock()
         self.max_split_size = max_split
         self.max_non_split_rounding_size = non_split
@@ -463,6 +524,7 @@ cdef class DeviceCachingAllocator:
         b.allocated = False
         b.mapped = True
         b.expandable = False
+        b.segment = NULL
         b.event_count = 0
         b.gc_count_base = 0
         b.stream_uses.clear()
@@ -483,6 +545,14 @@ cdef class DeviceCachingAllocator:
         stat_add(&self.stats[kind][0], delta)
         stat_add(&self.stats[kind][1 if pool.is_small else 2], delta)
 
+    cdef inline void _stat_up(self, int kind, int pool_slot, int64_t amount) noexcept:
+        stat_increase(&self.stats[kind][0], amount)
+        stat_increase(&self.stats[kind][pool_slot], amount)
+
+    cdef inline void _stat_down(self, int kind, int pool_slot, int64_t amount) noexcept:
+        stat_decrease(&self.stats[kind][0], amount)
+        stat_decrease(&self.stats[kind][pool_slot], amount)
+
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream,
                             uint32_t context_id) noexcept:
         if not self.history_on or (self.skip_actions_mask >> action) & 1:
@@ -493,7 +563,7 @@ cdef class DeviceCachingAllocator:
         e.size = size
         e.stream = stream
         e.time_us = now_us()
-        e.metadata_id = current_metadata_id
+        e.metadata_id = metadata_for_this_thread()
         e.context_id = context_id
         self.history.push(e)
 
@@ -525,7 +595,10 @@ cdef class DeviceCachingAllocator:
         return self.allowed_memory_maximum != 0 and self.gc_threshold > 0.0
 
     cdef Block* _get_free_block(self, BlockPool* pool, uintptr_t stream, size_t size) noexcept:
-        """Best fit: the smallest free block of `stream` that fits, subject to the oversize rules."""
+        """Best fit: the smallest free block of `stream` that fits, subject to the oversize rules.
+
+        The block stays in its pool: _alloc_found_block either re-sorts it (split) or removes it.
+        """
         if self._gc_enabled():
             pool.get_free_blocks_call_count += 1
         cdef Block key
@@ -535,6 +608,24 @@ cdef class DeviceCachingAllocator:
         cdef BlockSet.iterator it = pool.blocks.lower_bound(&key)
         if it == pool.blocks.end() or deref(it).stream != stream:
             return NULL
+        cdef BlockSet.iterator after
+        if deref(it).expandable:
+            if self.expandable_segments:
+                # Best fit by the size a block could grow to: a block followed by unmapped space is
+                # the segment's growth frontier, kept for last while another block fits.
+                after = it
+                inc(after)
+                while (deref(it).expandable and after != pool.blocks.end()
+                       and deref(after).stream == stream
+                       and expandable_size(deref(after)) < expandable_size(deref(it))):
+                    it = after
+                    inc(after)
+            else:
+                # Expandable segments were switched off at run time: take only ordinary blocks.
+                while it != pool.blocks.end() and deref(it).expandable and deref(it).stream == stream:
+                    inc(it)
+                if it == pool.blocks.end() or deref(it).stream != stream:
+                    return NULL
         cdef Block* b = deref(it)
         # An oversize block (>= max_split_size) is never carved for a smaller request, and a large
         # request takes one only if the excess stays under max_non_split_rounding_size.
@@ -542,7 +633,6 @@ cdef class DeviceCachingAllocator:
             return NULL
         if size >= self.max_split_size and b.size >= size + self.max_non_split_rounding_size:
             return NULL
-        pool.blocks.erase(it)
         return b
 
     cdef inline bint _should_split(self, Block* b, size_t size) noexcept:
@@ -551,17 +641,22 @@ cdef class DeviceCachingAllocator:
             return remaining >= kMinBlockSize
         return size < self.max_split_size and remaining > kSmallSize
 
-    cdef Block* _alloc_found_block(self, Block* b, size_t orig_size, size_t size,
-                                   uint32_t context_id) noexcept:
-        """Hand out `b` (already out of its pool), splitting off the unused tail if worth it."""
+    cdef Block* _alloc_found_block(self, Block* b, bint in_pool, size_t orig_size,
+                                   size_t size, uint32_t context_id) noexcept:
+        """Hand out `b`, splitting off the unused tail if worth it.
+
+        `in_pool`: b is a cached block still in its pool (else a new segment's block).
+        """
         cdef BlockPool* pool = b.pool
         cdef Block* remaining
         cdef bint already_split = b.is_split()
         if self._should_split(b, size):
-            # The front part is handed out as a new Block; the remainder keeps its Block, shifted.
+            # The front part is handed out as a new Block; the remainder keeps its Block, shifted,
+            # and its place in the pool when it still sorts there (no tree update at all).
             remaining = b
             b = self._new_block(remaining.stream, size, pool, remaining.ptr)
             b.expandable = remaining.expandable
+            b.segment = remaining.segment
             b.prev = remaining.prev
             if b.prev != NULL:
                 b.prev.next = b
@@ -569,86 +664,112 @@ cdef class DeviceCachingAllocator:
             remaining.prev = b
             remaining.ptr += size
             remaining.size -= size
-            self._pool_insert(pool, remaining)
+            remaining.gc_count_base = pool.get_free_blocks_call_count
+            if in_pool:
+                pool.blocks.reposition(remaining)
+            else:
+                pool.blocks.insert(remaining)
             if not b.expandable:
                 if already_split:
                     self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
                 else:
                     self._stat(ST_INACTIVE_SPLIT, pool, 1)
                     self._stat(ST_INACTIVE_SPLIT_BYTES, pool, <int64_t>remaining.size)
-        elif already_split and not b.expandable:
-            self._stat(ST_INACTIVE_SPLIT, pool, -1)
-            self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
+        else:
+            if in_pool:
+                pool.blocks.erase(b)
+            if already_split and not b.expandable:
+                self._stat(ST_INACTIVE_SPLIT, pool, -1)
+                self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
 
         b.allocated = True
         b.requested_size = orig_size
-        b.metadata_id = current_metadata_id
+        b.metadata_id = metadata_for_this_thread()
         b.context_id = context_id
         self.active_blocks.insert(b.ptr, b)
-        self._stat(ST_ALLOCATION, pool, 1)
-        self._stat(ST_ALLOCATED_BYTES, pool, <int64_t>b.size)
-        self._stat(ST_ACTIVE, pool, 1)
-        self._stat(ST_ACTIVE_BYTES, pool, <int64_t>b.size)
-        self._stat(ST_REQUESTED_BYTES, pool, <int64_t>orig_size)
+        cdef int slot = 1 if pool.is_small else 2
+        self._stat_up(ST_ALLOCATION, slot, 1)
+        self._stat_up(ST_ALLOCATED_BYTES, slot, <int64_t>b.size)
+        self._stat_up(ST_ACTIVE, slot, 1)
+        self._stat_up(ST_ACTIVE_BYTES, slot, <int64_t>b.size)
+        self._stat_up(ST_REQUESTED_BYTES, slot, <int64_t>orig_size)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, 1)
         self._trace(TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
         return b
 
-    cdef size_t _try_merge(self, Block* dst, Block* src) noexcept:
-        """Absorb free neighbour `src` into `dst`; returns the bytes absorbed (0 if not free)."""
-        if (src == NULL or src.allocated or src.event_count > 0 or not src.stream_uses.empty()
-                or dst.mapped != src.mapped):
-            return 0
-        if dst.prev == src:
-            dst.ptr = src.ptr
-            dst.prev = src.prev
-            if dst.prev != NULL:
-                dst.prev.next = dst
-            # The merged block now heads the segment: keep the segment's allocation stack.
-            if src.segment_context_id:
-                dst.segment_context_id = src.segment_context_id
-        else:
-            dst.next = src.next
-            if dst.next != NULL:
-                dst.next.prev = dst
-        cdef size_t absorbed = src.size
-        dst.size += absorbed
-        dst.pool.blocks.erase(src)
-        self._delete_block(src)
-        return absorbed
+    cdef inline bint _mergeable(self, Block* b, Block* neighbour) noexcept:
+        """True when `neighbour` of `b` is a free block that may absorb or be absorbed by it."""
+        return (neighbour != NULL and not neighbour.allocated and neighbour.event_count == 0
+                and neighbour.stream_uses.empty() and neighbour.mapped == b.mapped)
 
     cdef void _free_block(self, Block* b) noexcept:
-        """Return a block whose uses are all over to its pool, merging with free neighbours."""
+        """Return a block whose uses are all over to its pool, merging with free neighbours.
+
+        Free neighbours are already in the pool. The merged range is kept in one of their Block
+        objects (the lower one), which then only needs repositioning in the pool; `b` and any
+        second neighbour are retired. Which object survives is invisible outside the core.
+        """
         self._trace(TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream, b.context_id)
         cdef BlockPool* pool = b.pool
         cdef size_t original_size = b.size
         cdef size_t requested = b.requested_size
         cdef int64_t split_blocks_delta = 0
         cdef int64_t split_bytes_delta = 0
-        cdef size_t absorbed
-        cdef Block* candidates[2]
-        candidates[0] = b.prev
-        candidates[1] = b.next
+        cdef Block* prev = b.prev if self._mergeable(b, b.prev) else NULL
+        cdef Block* next = b.next if self._mergeable(b, b.next) else NULL
+        cdef Block* merged
         self.active_blocks.erase(b.ptr)
-        for i in range(2):
-            absorbed = self._try_merge(b, candidates[i])
-            if absorbed:
+        if prev == NULL and next == NULL:
+            merged = b
+            b.context_id = 0
+            b.metadata_id = 0
+            b.requested_size = 0
+            self._pool_insert(pool, b)
+        else:
+            merged = prev if prev != NULL else next
+            if prev != NULL and next != NULL:
+                pool.blocks.erase(next)
+            if prev != NULL:
+                # prev absorbs b (and next, below): prev heads the range and keeps its context.
+                prev.size += b.size
+                prev.next = b.next
+                if prev.next != NULL:
+                    prev.next.prev = prev
                 split_blocks_delta -= 1
-                split_bytes_delta -= <int64_t>absorbed
-        b.context_id = 0
-        b.metadata_id = 0
-        b.requested_size = 0
-        self._pool_insert(pool, b)
-        if b.is_split():
+                split_bytes_delta -= <int64_t>prev.size - <int64_t>b.size
+            else:
+                # next absorbs b from below and becomes the head of the range.
+                next.ptr = b.ptr
+                next.size += b.size
+                next.prev = b.prev
+                if next.prev != NULL:
+                    next.prev.next = next
+                if b.segment_context_id:
+                    next.segment_context_id = b.segment_context_id
+                split_blocks_delta -= 1
+                split_bytes_delta -= <int64_t>next.size - <int64_t>b.size
+            if prev != NULL and next != NULL:
+                prev.size += next.size
+                prev.next = next.next
+                if prev.next != NULL:
+                    prev.next.prev = prev
+                split_blocks_delta -= 1
+                split_bytes_delta -= <int64_t>next.size
+                self._delete_block(next)
+            self._delete_block(b)
+            merged.gc_count_base = pool.get_free_blocks_call_count
+            pool.blocks.reposition(merged)
+        if merged.is_split():
             split_blocks_delta += 1
-            split_bytes_delta += <int64_t>b.size
-        if not b.expandable:
+            split_bytes_delta += <int64_t>merged.size
+        if not merged.expandable:
             self._stat(ST_INACTIVE_SPLIT, pool, split_blocks_delta)
             self._stat(ST_INACTIVE_SPLIT_BYTES, pool, split_bytes_delta)
-        self._stat(ST_ACTIVE, pool, -1)
-        self._stat(ST_ACTIVE_BYTES, pool, -<int64_t>original_size)
-        self._stat(ST_REQUESTED_BYTES, pool, -<int64_t>requested)
+        cdef int slot = 1 if pool.is_small else 2
+        self._stat_down(ST_ACTIVE, slot, 1)
+        self._stat_down(ST_ACTIVE_BYTES, slot, <int64_t>original_size)
+        self._stat_down(ST_REQUESTED_BYTES, slot, <int64_t>requested)
 
     # ------------------------------------------------------------------------- events
 
@@ -714,13 +835,20 @@ cdef class DeviceCachingAllocator:
 
     # ------------------------------------------------------------------------- segments
 
-    cdef int _alloc_block(self, BlockPool* pool, uintptr_t stream, size_t alloc_size, bint is_retry,
-                          Block** out) except -1:
-        """Allocate a new segment of `alloc_size` bytes; 0 and *out set, or BACKEND_OOM."""
+    cdef int _alloc_block(self, BlockPool* pool, uintptr_t stream, size_t alloc_size, size_t size,
+                          bint is_retry, Block** out) except -1:
+        """Get new device memory for a request of `size` rounded bytes: 0 and *out set (a free
+        block out of any pool), or BACKEND_OOM.
+
+        Ordinarily a new segment of `alloc_size` bytes; with expandable segments, pages mapped into
+        the stream's expandable segment.
+        """
         if is_retry:
             self.num_alloc_retries += 1
         if self.allowed_memory_maximum and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
             return BACKEND_OOM
+        if self.expandable_segments:
+            return self._try_allocate_expandable_block(pool, stream, size, out)
         cdef uintptr_t ptr = 0
         if self.backend.segment_alloc(alloc_size, &ptr) == BACKEND_OOM:
             return BACKEND_OOM
@@ -751,15 +879,283 @@ cdef class DeviceCachingAllocator:
         return 0
 
     cdef int _release_blocks(self, BlockPool* pool) except -1:
-        """Release every cached block of `pool` that is a whole segment."""
+        """Release every cached block of `pool` that is a whole segment, and unmap the whole free
+        pages of expandable segments."""
         cdef BlockSet.iterator it = pool.blocks.begin()
         cdef Block* b
+        cdef vector[Block*] to_unmap
         while it != pool.blocks.end():
             b = deref(it)
             inc(it)
-            if not b.is_split() and not b.expandable:
+            if b.expandable:
+                # Unmapping changes the pool; collect first so the iteration stays valid.
+                to_unmap.push_back(b)
+            elif not b.is_split():
                 self._release_block(b)
+        for b in to_unmap:
+            self._unmap_block(b)
         return 0
+
+    # ------------------------------------------------------------------------- expandable segments
+
+    cdef size_t _merge_into(self, Block* dst, Block* src) noexcept:
+        """Absorb neighbour `src` into `dst` when both are free with the same mapped state.
+
+        Returns the bytes absorbed (0: no merge). For the map/unmap paths of expandable segments;
+        dst must not be in a pool set (its key changes).
+        """
+        if (src == NULL or src.allocated or src.event_count > 0 or not src.stream_uses.empty()
+                or dst.mapped != src.mapped):
+            return 0
+        if dst.prev == src:
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev != NULL:
+                dst.prev.next = dst
+            if src.segment_context_id:
+                dst.segment_context_id = src.segment_context_id
+        else:
+            dst.next = src.next
+            if dst.next != NULL:
+                dst.next.prev = dst
+        dst.size += src.size
+        if src.mapped:
+            dst.pool.blocks.erase(src)
+        else:
+            dst.pool.unmapped.erase(src)
+        self._delete_block(src)
+        return dst.size
+
+    cdef Block* _find_expandable_block(self, BlockPool* pool, uintptr_t stream, size_t size) except NULL:
+        """The lowest free-or-unmapped run of `stream`'s expandable segment with room for `size`
+        bytes, starting at a free block just before the unmapped range when there is one; a new
+        segment (all unmapped) when none has room."""
+        cdef Block key
+        key.stream = stream
+        key.ptr = 0
+        cdef UnmappedSet.iterator it = pool.unmapped.lower_bound(&key)
+        cdef Block* candidate
+        cdef Block* walk
+        cdef size_t room
+        while it != pool.unmapped.end() and deref(it).stream == stream:
+            candidate = deref(it)
+            inc(it)
+            if is_free(candidate.prev):
+                candidate = candidate.prev
+            room = 0
+            walk = candidate
+            while room < size and is_free(walk):
+                room += walk.size
+                walk = walk.next
+            if room >= size:
+                return candidate
+        cdef size_t free_bytes = 0, total_bytes = 0
+        self.backend.memory_info(&free_bytes, &total_bytes)
+        cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
+        cdef size_t va_size = reservation_size(total_bytes, page)
+        cdef uintptr_t base = 0
+        self.backend.vm_reserve(va_size, &base)
+        cdef ExpandableSegment* seg = new_segment_struct()
+        seg.base = base
+        seg.size = va_size
+        seg.page_size = page
+        seg.stream = stream
+        seg.pool = pool
+        self.expandable_segments_list.push_back(seg)
+        candidate = self._new_block(stream, va_size, pool, base)
+        candidate.mapped = False
+        candidate.expandable = True
+        candidate.segment = seg
+        pool.unmapped.insert(candidate)
+        return candidate
+
+    cdef int _map_block(self, Block* to_map, size_t size) except -1:
+        """Map the whole pages covering the first `size` bytes of unmapped block `to_map`.
+
+        Returns 1 on success (to_map becomes a free mapped block, merged with free neighbours and
+        in the pool) or 0 when the device is out of memory.
+        """
+        cdef ExpandableSegment* seg = to_map.segment
+        cdef size_t page = seg.page_size
+        cdef size_t mapped = ((size + page - 1) // page) * page
+        if mapped > to_map.size:
+            mapped = to_map.size
+        if self.backend.vm_map(to_map.ptr, mapped) == BACKEND_OOM:
+            return 0
+        cdef BlockPool* pool = to_map.pool
+        pool.unmapped.erase(to_map)
+        to_map.mapped = True
+        cdef Block* rest
+        if mapped < to_map.size:
+            rest = self._new_block(to_map.stream, to_map.size - mapped, pool, to_map.ptr + mapped)
+            rest.mapped = False
+            rest.expandable = True
+            rest.segment = seg
+            rest.prev = to_map
+            rest.next = to_map.next
+            if rest.next != NULL:
+                rest.next.prev = rest
+            to_map.next = rest
+            to_map.size = mapped
+            pool.unmapped.insert(rest)
+        cdef uintptr_t mapped_at = to_map.ptr
+        self._merge_into(to_map, to_map.prev)
+        self._merge_into(to_map, to_map.next)
+        self._pool_insert(pool, to_map)
+        self.total_allocated_memory += mapped
+        self._stat(ST_RESERVED_BYTES, pool, <int64_t>mapped)
+        self.num_device_alloc += 1
+        self._trace(TR_SEGMENT_MAP, mapped_at, mapped, to_map.stream, 0)
+        return 1
+
+    cdef int _try_allocate_expandable_block(self, BlockPool* pool, uintptr_t stream, size_t size,
+                                            Block** out) except -1:
+        """Grow `stream`'s expandable segment until a free block of `size` bytes exists there."""
+        cdef Block* candidate = self._find_expandable_block(pool, stream, size)
+        cdef Block* following
+        cdef size_t want
+        if not candidate.mapped:
+            if not self._map_block(candidate, min(candidate.size, size)):
+                return BACKEND_OOM
+        # The mapped candidate may merge away; its free run continues with unmapped blocks.
+        while candidate.size < size:
+            following = candidate.next
+            want = size - candidate.size
+            if not self._map_block(following, min(want, following.size)):
+                return BACKEND_OOM
+            # following merged into the block before it, which now spans candidate's range.
+            candidate = following
+        pool.blocks.erase(candidate)
+        out[0] = candidate
+        return 0
+
+    cdef int _unmap_block(self, Block* b) except -1:
+        """Unmap the whole pages inside free expandable block `b`; partial pages stay mapped."""
+        cdef ExpandableSegment* seg = b.segment
+        cdef size_t page = seg.page_size
+        cdef uintptr_t offset = b.ptr - seg.base
+        cdef uintptr_t first = seg.base + ((offset + page - 1) // page) * page
+        cdef uintptr_t last = seg.base + ((offset + b.size) // page) * page
+        if first >= last:
+            return 0
+        # Work queued on the segment's stream may still use these pages.
+        self.backend.stream_synchronize(seg.stream)
+        self.backend.vm_unmap(first, last - first)
+        cdef BlockPool* pool = b.pool
+        pool.blocks.erase(b)
+        cdef Block* piece
+        if first > b.ptr:
+            piece = self._new_block(b.stream, first - b.ptr, pool, b.ptr)
+            piece.expandable = True
+            piece.segment = seg
+            piece.prev = b.prev
+            if piece.prev != NULL:
+                piece.prev.next = piece
+            piece.next = b
+            b.prev = piece
+            self._pool_insert(pool, piece)
+        if b.ptr + b.size > last:
+            piece = self._new_block(b.stream, b.ptr + b.size - last, pool, last)
+            piece.expandable = True
+            piece.segment = seg
+            piece.next = b.next
+            if piece.next != NULL:
+                piece.next.prev = piece
+            piece.prev = b
+            b.next = piece
+            self._pool_insert(pool, piece)
+        b.ptr = first
+        b.size = last - first
+        b.mapped = False
+        self._merge_into(b, b.prev)
+        self._merge_into(b, b.next)
+        pool.unmapped.insert(b)
+        self.total_allocated_memory -= last - first
+        self._stat(ST_RESERVED_BYTES, pool, -<int64_t>(last - first))
+        self.num_device_free += 1
+        self._trace(TR_SEGMENT_UNMAP, first, last - first, b.stream, 0)
+        if b.prev == NULL and b.next == NULL:
+            # Nothing of the segment is mapped any more: give the address space back.
+            pool.unmapped.erase(b)
+            self.backend.vm_release(seg.base, seg.size)
+            for i in range(self.expandable_segments_list.size()):
+                if self.expandable_segments_list[i] == seg:
+                    self.expandable_segments_list[i] = self.expandable_segments_list.back()
+                    self.expandable_segments_list.pop_back()
+                    break
+            free_segment_struct(seg)
+            self._delete_block(b)
+        return 0
+
+    def expandable_segment_sizes(self):
+        """One (stream, is_small_pool, mapped_bytes) per live expandable segment, default stream
+        included (PyTorch's getExpandableSegmentSizes skips it). Bytes are currently mapped bytes."""
+        cdef vector[Block*] blocks
+        cdef ExpandableSegment* seg
+        cdef Block* b
+        out = []
+        self._lock()
+        try:
+            self._collect_blocks(&blocks)
+            mapped = {}
+            for b in blocks:
+                if b.expandable and b.mapped:
+                    key = <uintptr_t>b.segment
+                    mapped[key] = mapped.get(key, 0) + b.size
+            for i in range(self.expandable_segments_list.size()):
+                seg = self.expandable_segments_list[i]
+                out.append((seg.stream, seg.pool.is_small, mapped.get(<uintptr_t>seg, 0)))
+        finally:
+            self._unlock()
+        return out
+
+    def warm_up(self, sizes):
+        """Map memory ahead of time: `sizes` is a list like expandable_segment_sizes() returns.
+
+        For each (stream, is_small_pool, nbytes), the stream's expandable segment of that pool is
+        grown until it has nbytes mapped, so a steady state that needs no more makes no map call.
+        Needs expandable_segments:True. Raises OutOfMemoryError when the device cannot back it.
+        """
+        if not self.expandable_segments:
+            raise RuntimeError("warm_up needs expandable segments: configure expandable_segments:True")
+        plan = []
+        for entry in sizes:
+            try:
+                stream, is_small, nbytes = entry
+            except (TypeError, ValueError):
+                raise TypeError(f"warm_up expects (stream, is_small_pool, bytes) tuples, got {entry!r}") from None
+            plan.append((stream_handle(stream), bool(is_small), request_size(nbytes)))
+        cdef Block* b
+        cdef BlockPool* pool
+        cdef size_t have
+        for stream, is_small, nbytes in plan:
+            pool = self.small_blocks if is_small else self.large_blocks
+            self._lock()
+            try:
+                have = self._mapped_bytes(pool, stream)
+                if nbytes > have:
+                    if self._try_allocate_expandable_block(pool, stream, nbytes - have, &b) == BACKEND_OOM:
+                        self._record_oom(nbytes - have)
+                        rc = BACKEND_OOM
+                    else:
+                        self._pool_insert(pool, b)
+                        rc = 0
+                else:
+                    rc = 0
+            finally:
+                self._unlock()
+            if rc == BACKEND_OOM:
+                self._raise_oom(nbytes - have)
+
+    cdef size_t _mapped_bytes(self, BlockPool* pool, uintptr_t stream) noexcept:
+        cdef size_t total = 0
+        cdef Block* b
+        cdef vector[Block*] blocks
+        self._collect_blocks(&blocks)
+        for b in blocks:
+            if b.expandable and b.mapped and b.pool == pool and b.stream == stream:
+                total += b.size
+        return total
 
     cdef int _release_cached_blocks(self) except -1:
         """The full flush: wait for events, then release every unsplit cached segment."""
@@ -863,21 +1259,22 @@ cdef class DeviceCachingAllocator:
         # Cache hit: the whole fast path is this search plus _alloc_found_block.
         cdef Block* b = self._get_free_block(pool, stream, size)
         if b != NULL:
-            out[0] = self._alloc_found_block(b, orig_size, size, context_id)
+            out[0] = self._alloc_found_block(b, True, orig_size, size, context_id)
             return 0
 
         cdef size_t alloc_size = segment_size_for(size)
         if self._gc_enabled():
             self._garbage_collect()
-        if (self._alloc_block(pool, stream, alloc_size, False, &b) == BACKEND_OOM
+        if (self._alloc_block(pool, stream, alloc_size, size, False, &b) == BACKEND_OOM
                 and not (self._release_available_cached_blocks(pool, stream, size)
-                         and self._alloc_block(pool, stream, alloc_size, False, &b) == 0)
+                         and self._alloc_block(pool, stream, alloc_size, size, False, &b) == 0)
                 and not (self._release_cached_blocks() == 0
-                         and self._alloc_block(pool, stream, alloc_size, True, &b) == 0)):
+                         and self._alloc_block(pool, stream, alloc_size, size, True, &b) == 0)):
             self._record_oom(alloc_size)
             return BACKEND_OOM
-        b.segment_context_id = context_id
-        out[0] = self._alloc_found_block(b, orig_size, size, context_id)
+        if b.prev == NULL and not b.segment_context_id:
+            b.segment_context_id = context_id
+        out[0] = self._alloc_found_block(b, False, orig_size, size, context_id)
         return 0
 
     cdef int _record_oom(self, size_t alloc_size) except -1:
@@ -937,10 +1334,9 @@ cdef class DeviceCachingAllocator:
             reserved_unallocated=reserved - allocated, allowed=self.allowed_memory_maximum or None)
 
     cdef Block* _lookup_allocated(self, uintptr_t ptr) except NULL:
-        cdef ActiveMap.iterator it = self.active_blocks.find(ptr)
-        if it == self.active_blocks.end():
+        cdef Block* b = self.active_blocks.get(ptr)
+        if b == NULL:
             raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
-        cdef Block* b = deref(it).second
         if not b.allocated:
             raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
         return b
@@ -964,8 +1360,9 @@ cdef class DeviceCachingAllocator:
     cdef int _free(self, Block* b) except -1:
         b.allocated = False
         cdef BlockPool* pool = b.pool
-        self._stat(ST_ALLOCATION, pool, -1)
-        self._stat(ST_ALLOCATED_BYTES, pool, -<int64_t>b.size)
+        cdef int slot = 1 if pool.is_small else 2
+        self._stat_down(ST_ALLOCATION, slot, 1)
+        self._stat_down(ST_ALLOCATED_BYTES, slot, <int64_t>b.size)
         self._trace(TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream, b.context_id)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, -1)
@@ -1017,6 +1414,14 @@ cdef class DeviceCachingAllocator:
 
     def _noop(self):
         """An empty method: the call-overhead floor the benchmarks compare against."""
+        pass
+
+    def _noop_malloc(self, nbytes, stream=0):
+        """An empty method with malloc's signature: the floor for a call of that shape."""
+        pass
+
+    def _noop_free(self, ptr):
+        """An empty method with free's signature."""
         pass
 
     # ------------------------------------------------------------------------- stats
@@ -1107,7 +1512,7 @@ cdef class DeviceCachingAllocator:
     cdef void _collect_blocks(self, vector[Block*]* out) noexcept:
         """Every block the allocator owns: free ones from the pools, the rest from active_blocks."""
         cdef BlockSet.iterator it
-        cdef ActiveMap.iterator ait
+        cdef UnmappedSet.iterator uit
         cdef BlockPool* pools[2]
         cdef BlockPool* pool
         pools[0] = self.small_blocks
@@ -1118,10 +1523,11 @@ cdef class DeviceCachingAllocator:
             while it != pool.blocks.end():
                 out.push_back(deref(it))
                 inc(it)
-        ait = self.active_blocks.begin()
-        while ait != self.active_blocks.end():
-            out.push_back(deref(ait).second)
-            inc(ait)
+            uit = pool.unmapped.begin()
+            while uit != pool.unmapped.end():
+                out.push_back(deref(uit))
+                inc(uit)
+        self.active_blocks.values(out)
 
     def _segments(self):
         """The segments as lists of blocks, sorted by address, for snapshots and checks.
@@ -1140,10 +1546,23 @@ cdef class DeviceCachingAllocator:
             for head in blocks:
                 if head.prev != NULL:
                     continue
-                seg_blocks = []
-                total = 0
+                # A cudaMalloc segment is one entry; an expandable segment is one entry per
+                # contiguous mapped range (PyTorch's snapshot convention).
+                seg_blocks = None
                 b = head
                 while b != NULL:
+                    if not b.mapped:
+                        seg_blocks = None
+                        b = b.next
+                        continue
+                    if seg_blocks is None:
+                        seg_blocks = []
+                        segment = {
+                            "address": b.ptr, "total_size": 0, "stream": b.stream,
+                            "is_small": b.pool.is_small, "is_expandable": b.expandable,
+                            "context_id": b.segment_context_id, "blocks": seg_blocks,
+                        }
+                        segments.append(segment)
                     seg_blocks.append({
                         "address": b.ptr, "size": b.size,
                         "requested_size": b.requested_size,
@@ -1151,13 +1570,8 @@ cdef class DeviceCachingAllocator:
                         "pending_free": (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty()),
                         "metadata_id": b.metadata_id, "context_id": b.context_id,
                     })
-                    total += b.size
+                    segment["total_size"] += b.size
                     b = b.next
-                segments.append({
-                    "address": head.ptr, "total_size": total, "stream": head.stream,
-                    "is_small": head.pool.is_small, "is_expandable": head.expandable,
-                    "context_id": head.segment_context_id, "blocks": seg_blocks,
-                })
         finally:
             self._unlock()
         segments.sort(key=lambda s: s["address"])
@@ -1241,10 +1655,20 @@ cdef class DeviceCachingAllocator:
                     assert b.size % kMinBlockSize == 0, f"block {b.ptr:#x} size {b.size} not a multiple of 512"
                     is_free = (not b.allocated) and b.event_count == 0 and b.stream_uses.empty()
                     in_pool = b.pool.blocks.contains(b)
-                    in_active = self.active_blocks.find(b.ptr) != self.active_blocks.end()
+                    in_unmapped = b.pool.unmapped.find(b) != b.pool.unmapped.end()
+                    in_active = self.active_blocks.get(b.ptr) != NULL
+                    assert b.expandable == head.expandable, f"block {b.ptr:#x}: expandable flag differs in its segment"
+                    if not b.mapped:
+                        assert b.expandable and is_free and in_unmapped and not in_pool and not in_active, (
+                            f"unmapped block {b.ptr:#x} misfiled")
+                        assert (b.ptr - b.segment.base) % b.segment.page_size == 0 and b.size % b.segment.page_size == 0, (
+                            f"unmapped block {b.ptr:#x} is not whole pages")
+                        b = b.next
+                        continue
+                    assert not in_unmapped, f"mapped block {b.ptr:#x} in the unmapped set"
                     assert is_free == in_pool, f"block {b.ptr:#x}: free={is_free} but in_pool={in_pool}"
                     assert (not is_free) == in_active, f"block {b.ptr:#x}: active map disagrees"
-                    if is_free and b.next != NULL:
+                    if is_free and b.next != NULL and b.next.mapped:
                         nxt_free = (not b.next.allocated) and b.next.event_count == 0 and b.next.stream_uses.empty()
                         assert not nxt_free, f"free neighbours {b.ptr:#x} and {b.next.ptr:#x} not merged"
                     if b.allocated:
@@ -1259,7 +1683,8 @@ cdef class DeviceCachingAllocator:
                         recount[ST_INACTIVE_SPLIT_BYTES][p] += b.size
                     seg_size += b.size
                     b = b.next
-                recount[ST_SEGMENT][p] += 1
+                if not head.expandable:
+                    recount[ST_SEGMENT][p] += 1     # expandable maps are not counted as segments
                 recount[ST_RESERVED_BYTES][p] += seg_size
             for k in range(NUM_STATS):
                 recount[k][0] = recount[k][1] + recount[k][2]
@@ -1268,8 +1693,25 @@ cdef class DeviceCachingAllocator:
                         f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {self.stats[k][p].current}, "
                         f"recount gives {recount[k][p]}")
             assert self.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
+            # Every pool's set must be in best-fit order with current keys (no stale entries).
+            for i in range(2):
+                self._check_pool_order(self.small_blocks if i == 0 else self.large_blocks)
         finally:
             self._unlock()
+
+
+    cdef int _check_pool_order(self, BlockPool* pool) except -1:
+        cdef BlockSet.iterator it = pool.blocks.begin()
+        cdef Block* last = NULL
+        cdef Block* b
+        while it != pool.blocks.end():
+            b = deref(it)
+            if last != NULL:
+                assert (last.stream, last.size, last.ptr) < (b.stream, b.size, b.ptr), (
+                    f"pool out of best-fit order at block {b.ptr:#x}")
+            last = b
+            inc(it)
+        return 0
 
 
 # ------------------------------------------------------------------------------- Buffer
@@ -1340,6 +1782,8 @@ def set_memory_metadata(str text):
         _metadata_strings.append(text)
         _metadata_ids[text] = mid
     global current_metadata_id
+    if mid:
+        set_metadata_in_use(True)
     current_metadata_id = mid
 
 

@@ -9,13 +9,17 @@ It is a real backend, not a test double: `pyalloc replay` and `pyalloc tune` run
 * streams with pending work: `launch(stream)` queues a unit of work, `complete(stream)` finishes
   queued work in order, `synchronize()` finishes everything;
 * events that complete only when the work queued on their stream before the record completes;
-* cross-stream waits: work launched on a stream after `wait_event` cannot complete before the event.
+* cross-stream waits: work launched on a stream after `wait_event` cannot complete before the event;
+* virtual memory for expandable segments: address-space reservations (deterministic, or queued with
+  `place_reservations`) whose 2 MiB pages are mapped to physical memory and unmapped on demand;
+  mapped pages count against the same capacity as segments.
 
 Every backend call is counted in `counters`, so tests can prove a cache hit makes none.
 """
 from libc.stdint cimport uintptr_t, uint64_t
 from libcpp.map cimport map as cppmap
 from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 from libcpp.vector cimport vector
 from libcpp.deque cimport deque
 from libcpp.pair cimport pair
@@ -25,6 +29,7 @@ from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 
 cdef size_t MiB = 1 << 20
 cdef size_t GiB = 1 << 30
+cdef size_t GRANULE = 2 * MiB      # mapping granularity of the simulated virtual memory
 
 
 cdef struct Barrier:
@@ -64,6 +69,10 @@ cdef class SimDevice(Backend):
     cdef unordered_map[uintptr_t, StreamState] _streams
     cdef unordered_map[uintptr_t, deque[Barrier]] _barriers
     cdef unordered_map[uintptr_t, EventState] _events
+    cdef cppmap[uintptr_t, size_t] _reservations        # reserved address ranges: base -> bytes
+    cdef unordered_set[uintptr_t] _mapped_pages         # granule addresses currently mapped
+    cdef dict _reservation_placements                  # bytes -> list of queued base addresses
+    cdef readonly uintptr_t reservation_base
     cdef uintptr_t _next_stream
     cdef uintptr_t _next_event
     cdef public dict counters
@@ -81,12 +90,15 @@ cdef class SimDevice(Backend):
         self.base_address = base_address
         self.alignment = alignment
         self._placements = {}
+        self._reservation_placements = {}
+        self.reservation_base = 0x200000000000
         self._pending_placements = 0
         self._next_stream = 1
         self._next_event = 1
         self.counters = dict.fromkeys(
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
-             "event_query", "event_synchronize", "event_destroy", "stream_synchronize"), 0)
+             "event_query", "event_synchronize", "event_destroy", "stream_synchronize",
+             "vm_reserve", "vm_release", "vm_map", "vm_unmap"), 0)
 
     def __repr__(self):
         return (f"SimDevice(total_memory={self.total_memory}, device={self.device}, "
@@ -177,6 +189,111 @@ cdef class SimDevice(Backend):
     def mem_get_info(self):
         """(free_bytes, total_bytes), like cudaMemGetInfo."""
         return self.total_memory - self.used_memory, self.total_memory
+
+    # ---------------------------------------------------------------- virtual memory
+
+    def place_reservations(self, placements):
+        """Queue base addresses for future address-space reservations: (address, size_bytes) pairs.
+
+        A later reservation of exactly `size_bytes` takes the oldest queued address of that size
+        (how a replay puts expandable segments where PyTorch's driver put them).
+        """
+        items = [(int(a), int(s)) for a, s in placements]
+        for addr, size in items:
+            if addr <= 0 or size <= 0 or addr % GRANULE:
+                raise ValueError(f"reservation ({addr:#x}, {size}) needs a positive, 2 MiB aligned address and size")
+        for addr, size in items:
+            self._reservation_placements.setdefault(size, []).append(addr)
+
+    @property
+    def mapped_memory(self):
+        """Bytes of physical memory mapped into reservations."""
+        return self._mapped_pages.size() * GRANULE
+
+    def reservations(self):
+        """Live reservations as a sorted list of (base address, size_bytes)."""
+        return [(p.first, p.second) for p in self._reservations]
+
+    cdef int vm_granularity(self, size_t* nbytes) except -1:
+        nbytes[0] = GRANULE
+        return BACKEND_OK
+
+    cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
+        self.counters["vm_reserve"] += 1
+        if nbytes == 0 or nbytes % GRANULE:
+            raise ValueError(f"SimDevice: reservation of {nbytes} bytes is not a multiple of 2 MiB")
+        cdef uintptr_t addr
+        cdef cppmap[uintptr_t, size_t].iterator it
+        queue = self._reservation_placements.get(nbytes)
+        if queue:
+            addr = queue.pop(0)
+        else:
+            # First fit above reservation_base, past every live reservation.
+            addr = self.reservation_base
+            it = self._reservations.begin()
+            while it != self._reservations.end():
+                if deref(it).first < addr + nbytes and deref(it).first + deref(it).second > addr:
+                    addr = deref(it).first + deref(it).second
+                inc(it)
+        self._reservations[addr] = nbytes
+        base[0] = addr
+        return BACKEND_OK
+
+    cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
+        self.counters["vm_release"] += 1
+        cdef cppmap[uintptr_t, size_t].iterator it = self._reservations.find(base)
+        if it == self._reservations.end() or deref(it).second != nbytes:
+            raise RuntimeError(f"SimDevice: release of {base:#x} ({nbytes} bytes), which is not a reservation")
+        cdef uintptr_t page = base
+        while page < base + nbytes:
+            if self._mapped_pages.count(page):
+                raise RuntimeError(f"SimDevice: release of reservation {base:#x} with page {page:#x} still mapped")
+            page += GRANULE
+        self._reservations.erase(it)
+        return BACKEND_OK
+
+    cdef int _check_range(self, uintptr_t addr, size_t nbytes, str what) except -1:
+        if nbytes == 0 or addr % GRANULE or nbytes % GRANULE:
+            raise ValueError(f"SimDevice: {what} of {nbytes} bytes at {addr:#x} is not whole 2 MiB pages")
+        cdef cppmap[uintptr_t, size_t].iterator it = self._reservations.upper_bound(addr)
+        if it == self._reservations.begin():
+            raise RuntimeError(f"SimDevice: {what} at {addr:#x} outside every reservation")
+        dec(it)
+        if addr + nbytes > deref(it).first + deref(it).second:
+            raise RuntimeError(f"SimDevice: {what} at {addr:#x} (+{nbytes}) runs past its reservation")
+        return 0
+
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes) except -1:
+        self.counters["vm_map"] += 1
+        self._check_range(addr, nbytes, "map")
+        if nbytes > self.total_memory - self.used_memory:
+            return BACKEND_OOM
+        cdef uintptr_t page = addr
+        while page < addr + nbytes:
+            if self._mapped_pages.count(page):
+                raise RuntimeError(f"SimDevice: page {page:#x} mapped twice")
+            page += GRANULE
+        page = addr
+        while page < addr + nbytes:
+            self._mapped_pages.insert(page)
+            page += GRANULE
+        self.used_memory += nbytes
+        return BACKEND_OK
+
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes) except -1:
+        self.counters["vm_unmap"] += 1
+        self._check_range(addr, nbytes, "unmap")
+        cdef uintptr_t page = addr
+        while page < addr + nbytes:
+            if not self._mapped_pages.count(page):
+                raise RuntimeError(f"SimDevice: unmap of page {page:#x}, which is not mapped")
+            page += GRANULE
+        page = addr
+        while page < addr + nbytes:
+            self._mapped_pages.erase(page)
+            page += GRANULE
+        self.used_memory -= nbytes
+        return BACKEND_OK
 
     # ---------------------------------------------------------------- streams and work
 

@@ -12,14 +12,41 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
+#include <condition_variable>
 #include <iterator>
+#include <mutex>
+#include <pthread.h>
+#include <sched.h>
 #include <set>
-#include <unordered_map>
 #include <vector>
 
 namespace pyalloc {
 
+struct Block;
 struct BlockPool;
+
+// One expandable segment: a reservation of virtual address space whose pages are mapped to
+// physical memory on demand. The core tracks which ranges are mapped as blocks (mapped = false for
+// unmapped ranges); the backend keeps the physical handles.
+struct ExpandableSegment {
+    uintptr_t base;        // first address of the reservation
+    size_t size;           // bytes of address space reserved, a multiple of page_size
+    size_t page_size;      // bytes mapped at a time: 2 MiB (small pool) or 20 MiB (large pool)
+    uintptr_t stream;      // the one stream whose blocks live here
+    BlockPool* pool;
+};
+
+// Best-fit order: (stream, size, address). lower_bound with a key block of the request's stream and
+// rounded size finds the smallest block of that stream that fits, lowest address first on ties.
+struct BlockBySize {
+    bool operator()(const Block* a, const Block* b) const;
+};
+
+// Address order within a stream, for unmapped ranges of expandable segments.
+struct BlockByAddress {
+    bool operator()(const Block* a, const Block* b) const;
+};
 
 // Invariants (checked by DeviceCachingAllocator._check_invariants in tests):
 //  * prev->ptr + prev->size == ptr and next->ptr == ptr + size; prev/next belong to the same segment.
@@ -37,105 +64,188 @@ struct Block {
     bool allocated = false;        // handed out and not yet freed by the caller
     bool mapped = true;            // false for unmapped address space of an expandable segment
     bool expandable = false;       // part of an expandable segment
+    ExpandableSegment* segment = nullptr;  // that segment, when expandable
     int event_count = 0;           // outstanding cross-stream events recorded at free
     int64_t gc_count_base = 0;     // pool->get_free_blocks_call_count when last inserted
     std::vector<uintptr_t> stream_uses;  // streams added by record_stream (never the alloc stream)
     uint32_t metadata_id = 0;      // user metadata current when allocated (0 = none)
     uint32_t context_id = 0;       // captured stack of the hand-out (0 = none)
     uint32_t segment_context_id = 0;  // stack of the segment allocation, on the head block
+    std::set<Block*, BlockBySize>::iterator pool_pos;  // position in pool->blocks while free
 
     bool is_split() const { return prev != nullptr || next != nullptr; }
 };
 
-// Best-fit order: (stream, size, address). lower_bound with a key block of the request's stream and
-// rounded size finds the smallest block of that stream that fits, lowest address first on ties.
-struct BlockBySize {
-    bool operator()(const Block* a, const Block* b) const {
-        if (a->stream != b->stream) return a->stream < b->stream;
-        if (a->size != b->size) return a->size < b->size;
-        return a->ptr < b->ptr;
-    }
-};
+inline bool BlockBySize::operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->ptr < b->ptr;
+}
 
-// Address order within a stream, for unmapped ranges of expandable segments.
-struct BlockByAddress {
-    bool operator()(const Block* a, const Block* b) const {
-        if (a->stream != b->stream) return a->stream < b->stream;
-        return a->ptr < b->ptr;
-    }
-};
+inline bool BlockByAddress::operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    return a->ptr < b->ptr;
+}
 
-// Ordered set of free blocks that recycles its tree nodes. A cache hit removes one block and
-// inserts its shifted remainder; a free removes a merged neighbour and inserts the merged block.
-// Reusing the extracted node for the next insertion (C++17 node handles) keeps both paths free of
-// calls to operator new/delete, which otherwise dominate their cost.
-template <typename Compare>
-struct RecyclingSet {
-    typedef std::set<Block*, Compare> Set;
-    typedef typename Set::iterator iterator;
+// The free blocks of a pool in best-fit order. Each block remembers its position (pool_pos), so
+// removing or re-sorting a known block needs no search. Tree nodes are recycled: a cache hit
+// re-sorts the shrunk remainder of the block it splits, and a free re-sorts the neighbour that
+// absorbs the freed block, so neither path calls operator new or delete.
+struct BlockSet {
+    typedef std::set<Block*, BlockBySize> Set;
+    typedef Set::iterator iterator;
     Set items;
-    std::vector<typename Set::node_type> spare_nodes;
+    std::vector<Set::node_type> spare_nodes;
 
     iterator begin() { return items.begin(); }
     iterator end() { return items.end(); }
     iterator lower_bound(Block* key) { return items.lower_bound(key); }
-    iterator find(Block* key) { return items.find(key); }
     size_t size() const { return items.size(); }
     bool empty() const { return items.empty(); }
-    bool contains(Block* b) const { return items.find(b) != items.end(); }
+    bool contains(Block* b) const {
+        Set::const_iterator it = items.find(b);
+        return it != items.end() && *it == b;
+    }
 
     void insert(Block* b) {
-        if (spare_nodes.empty()) { items.insert(b); return; }
-        typename Set::node_type node = std::move(spare_nodes.back());
+        if (spare_nodes.empty()) { b->pool_pos = items.insert(b).first; return; }
+        Set::node_type node = std::move(spare_nodes.back());
         spare_nodes.pop_back();
         node.value() = b;
-        items.insert(std::move(node));
+        b->pool_pos = items.insert(std::move(node)).position;
     }
-    // Removes the element at `it` and returns the iterator after it.
-    iterator erase(iterator it) {
+    void erase(Block* b) { spare_nodes.push_back(items.extract(b->pool_pos)); }
+    // Erases the block at `it` and returns the position after it (for loops that release blocks).
+    iterator erase_at(iterator it) {
         iterator after = std::next(it);
-        spare_nodes.push_back(items.extract(it));
+        erase(*it);
         return after;
     }
-    // Removes `b` (which must be present, compared by its current key).
-    void erase(Block* b) {
-        iterator it = items.find(b);
-        if (it != items.end()) spare_nodes.push_back(items.extract(it));
+    // Restores the order after b's key (size or address) changed. When b still sorts between its
+    // neighbours nothing moves: the common case for a remainder shrunk by a small split or a free
+    // block grown by a merge.
+    void reposition(Block* b) {
+        BlockBySize less;
+        iterator it = b->pool_pos;
+        if (it != items.begin() && !less(*std::prev(it), b)) { reinsert(b); return; }
+        iterator after = std::next(it);
+        if (after != items.end() && !less(b, *after)) reinsert(b);
+    }
+    void reinsert(Block* b) {
+        // extract() unlinks by position and makes no comparison, so b's changed key is harmless.
+        Set::node_type node = items.extract(b->pool_pos);
+        b->pool_pos = items.insert(std::move(node)).position;
     }
 };
 
-typedef RecyclingSet<BlockBySize> BlockSet;
-typedef RecyclingSet<BlockByAddress> UnmappedSet;
+// Unmapped address ranges of expandable segments, by (stream, address).
+typedef std::set<Block*, BlockByAddress> UnmappedSet;
 
-// Pointer -> Block of every block handed out or waiting for events; node handles recycled as above.
-struct ActiveMap {
-    typedef std::unordered_map<uintptr_t, Block*> Map;
-    typedef Map::iterator iterator;
-    Map items;
-    std::vector<Map::node_type> spare_nodes;
+// The allocator's lock: recursive, with an uncontended acquire/release of one atomic operation
+// each (std::recursive_mutex costs two library calls). Waiters spin briefly, then sleep on a
+// condition variable; the core calls lock() only after try_lock() failed, with the GIL released.
+struct AllocatorLock {
+    std::atomic<uintptr_t> owner{0};
+    unsigned depth = 0;
+    std::atomic<int> waiters{0};
+    std::mutex sleep_mutex;
+    std::condition_variable wake;
 
-    iterator begin() { return items.begin(); }
-    iterator end() { return items.end(); }
-    iterator find(uintptr_t ptr) { return items.find(ptr); }
-    size_t size() const { return items.size(); }
-
-    void insert(uintptr_t ptr, Block* b) {
-        if (spare_nodes.empty()) { items.emplace(ptr, b); return; }
-        Map::node_type node = std::move(spare_nodes.back());
-        spare_nodes.pop_back();
-        node.key() = ptr;
-        node.mapped() = b;
-        items.insert(std::move(node));
+    static uintptr_t self() { return (uintptr_t)pthread_self(); }
+    bool try_lock() {
+        uintptr_t me = self();
+        if (owner.load(std::memory_order_relaxed) == me) { ++depth; return true; }
+        uintptr_t expected = 0;
+        if (owner.compare_exchange_strong(expected, me)) { depth = 1; return true; }
+        return false;
     }
-    void erase(uintptr_t ptr) {
-        iterator it = items.find(ptr);
-        if (it != items.end()) spare_nodes.push_back(items.extract(it));
+    void lock() {
+        for (int i = 0; i < 100; ++i) {
+            if (try_lock()) return;
+            sched_yield();
+        }
+        std::unique_lock<std::mutex> guard(sleep_mutex);
+        waiters.fetch_add(1);
+        while (!try_lock()) wake.wait(guard);
+        waiters.fetch_sub(1);
+    }
+    void unlock() {
+        if (--depth != 0) return;
+        owner.store(0);
+        if (waiters.load() != 0) {
+            std::lock_guard<std::mutex> guard(sleep_mutex);
+            wake.notify_all();
+        }
+    }
+};
+
+// Pointer -> Block of every block handed out or waiting for events: open addressing with linear
+// probing over a power-of-two table. Lookups hash the pointer with one multiply instead of
+// std::unordered_map's modulo by a prime, and insertions allocate nothing until the table grows.
+struct ActiveMap {
+    struct Slot { uintptr_t key; Block* value; };   // key 0 marks an empty slot
+    std::vector<Slot> slots;
+    size_t count = 0;
+    size_t mask = 0;
+    unsigned shift = 0;       // 64 - log2(slots.size())
+
+    ActiveMap() { resize(64); }
+
+    void resize(size_t n) {
+        slots.assign(n, Slot{0, nullptr});
+        mask = n - 1;
+        shift = 64 - __builtin_ctzll(n);
+    }
+    size_t home(uintptr_t key) const {
+        // Fibonacci hashing: the multiply spreads the pointer's bits, the top bits index the table.
+        return (size_t)((key * 0x9E3779B97F4A7C15ull) >> shift);
+    }
+    Block* get(uintptr_t key) const {
+        for (size_t i = home(key);; i = (i + 1) & mask) {
+            if (slots[i].key == key) return slots[i].value;
+            if (slots[i].key == 0) return nullptr;
+        }
+    }
+    void insert(uintptr_t key, Block* value) {
+        if ((count + 1) * 2 > slots.size()) grow();
+        size_t i = home(key);
+        while (slots[i].key != 0 && slots[i].key != key) i = (i + 1) & mask;
+        if (slots[i].key == 0) ++count;
+        slots[i] = Slot{key, value};
+    }
+    void erase(uintptr_t key) {
+        size_t i = home(key);
+        while (slots[i].key != key) {
+            if (slots[i].key == 0) return;
+            i = (i + 1) & mask;
+        }
+        // Backward-shift deletion: move later entries of the probe run into the hole, so lookups
+        // never need tombstones.
+        size_t hole = i;
+        for (size_t j = (i + 1) & mask; slots[j].key != 0; j = (j + 1) & mask) {
+            size_t h = home(slots[j].key);
+            bool movable = (hole <= j) ? (h <= hole || h > j) : (h <= hole && h > j);
+            if (movable) { slots[hole] = slots[j]; hole = j; }
+        }
+        slots[hole] = Slot{0, nullptr};
+        --count;
+    }
+    size_t size() const { return count; }
+    void values(std::vector<Block*>* out) const {
+        for (const Slot& s : slots) if (s.key != 0) out->push_back(s.value);
+    }
+    void grow() {
+        std::vector<Slot> old;
+        old.swap(slots);
+        resize(old.size() * 2);
+        count = 0;
+        for (const Slot& s : old) if (s.key != 0) insert(s.key, s.value);
     }
 };
 
 struct BlockPool {
     BlockSet blocks;                       // free mapped blocks
-    UnmappedSet unmapped;                  // unmapped ranges of expandable segments
+    UnmappedSet unmapped;                  // unmapped ranges of expandable segments, by (stream, address)
     bool is_small;                         // holds blocks of rounded size <= 1 MiB
     int64_t owner_id;                      // 0 for the default pools, else a private pool's id
     int64_t get_free_blocks_call_count = 0;  // the garbage collector's clock
@@ -193,5 +303,10 @@ struct TraceRing {
 
 // Metadata current in this thread (an id into the core's table of strings; 0 = none).
 inline thread_local uint32_t current_metadata_id = 0;
+// Set once any thread has set metadata: until then the hot path skips the thread-local read.
+inline std::atomic<bool> metadata_in_use{false};
+inline uint32_t metadata_for_this_thread() {
+    return metadata_in_use.load(std::memory_order_relaxed) ? current_metadata_id : 0;
+}
 
 }  // namespace pyalloc

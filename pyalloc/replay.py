@@ -78,6 +78,26 @@ def recorded_placements(entries):
     return [(e["addr"], e["size"]) for e in entries if e["action"] == "segment_alloc"]
 
 
+def recorded_reservations(snapshot, entries, device_memory, device=0):
+    """(base, reserved bytes) of the trace's expandable segments, one per pool, in the order the
+    trace first maps into them: the base is the lowest address of that pool's expandable segments
+    in the snapshot's final `segments` list."""
+    from pyalloc._core import expandable_reservation_size
+    bases = {}
+    for seg in snapshot.get("segments", []):
+        if seg.get("is_expandable") and seg.get("device", device) == device:
+            small = seg.get("segment_type") == "small"
+            bases[small] = min(bases.get(small, seg["address"]), seg["address"])
+    reservations = [(base, expandable_reservation_size(device_memory, small)) for small, base in bases.items()]
+    map_addrs = [e["addr"] for e in entries if e["action"] == "segment_map"]
+
+    def first_map(reservation):
+        base, size = reservation
+        return next((i for i, a in enumerate(map_addrs) if base <= a < base + size), len(map_addrs))
+    # Both pools may reserve the same number of bytes, so the reservation order must be the trace's.
+    return sorted(reservations, key=first_map)
+
+
 def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None):
     """Replay a snapshot's allocation stream through a CachingAllocator on a SimDevice.
 
@@ -98,9 +118,11 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     entries = trace_entries(snapshot, device)
     if config is None:
         config = (snapshot.get("allocator_settings") or {}).get("PYTORCH_CUDA_ALLOC_CONF", "") or ""
-    sim = SimDevice(DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory, device=device)
+    device_memory = DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory
+    sim = SimDevice(device_memory, device=device)
     if placement == "recorded":
         sim.place_segments(recorded_placements(entries))
+        sim.place_reservations(recorded_reservations(snapshot, entries, device_memory, device))
     alloc = CachingAllocator(device, backend=sim, config=config)
 
     live = {}          # trace address -> our pointer

@@ -1,0 +1,1 @@
+"""Shared fixtures for the pytest-benchmark suites (run: pytest bench/ --benchmark-only)."""

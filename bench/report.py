@@ -1,0 +1,31 @@
+"""Print the ratios the README quotes from one pytest-benchmark JSON file.
+
+Usage: python -m pytest bench/bench_core.py --benchmark-only --benchmark-json=out.json
+       python bench/report.py out.json
+"""
+import json
+import sys
+
+
+def main(path):
+    data = json.load(open(path))
+    med = {b["name"]: b["stats"]["median"] for b in data["benchmarks"]}
+    floor = med.get("test_floor")
+    floor_sig = med.get("test_floor_signature")
+    rows = []
+    for name, value in sorted(med.items()):
+        row = f"{name:45s} median {value * 1e9:9.1f} ns"
+        if floor and name.startswith("test_malloc_free_pair"):
+            row += f"   pair/floor {value / floor:5.2f}   pair/floor_signature {value / floor_sig:5.2f}"
+        rows.append(row)
+    base = med.get("test_pair_with_live_blocks[100]")
+    if base:
+        for live in (10_000, 100_000):
+            v = med.get(f"test_pair_with_live_blocks[{live}]")
+            if v:
+                rows.append(f"cost at {live} live blocks / cost at 100: {v / base:5.2f}")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
