@@ -110,6 +110,19 @@ def current_device():
     return <int>dev
 
 
+def current_device_or_zero():
+    """current_device(), but 0 when no context is current: what device=None means to pyalloc."""
+    cdef cydriver.CUcontext ctx = NULL
+    cdef cydriver.CUdevice dev = 0
+    if not _initialized:
+        return 0
+    check(cydriver.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent")
+    if ctx == NULL:
+        return 0
+    check(cydriver.cuCtxGetDevice(&dev), "cuCtxGetDevice")
+    return <int>dev
+
+
 def pointer_device(uintptr_t ptr):
     """Ordinal of the device that owns device pointer `ptr` (cuPointerGetAttribute)."""
     cdef int ordinal = -1

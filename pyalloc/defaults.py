@@ -73,12 +73,7 @@ def _resolve_current_device():
     if use_cuda:
         from pyalloc import cuda_backend
         if cuda_backend.is_available():
-            from pyalloc._cuda import current_device as context_device
-
-            def cuda_current():
-                d = context_device()
-                return d if d >= 0 else 0
-            fn = cuda_current
+            from pyalloc._cuda import current_device_or_zero as fn    # one C call, no Python frame
         else:
             fn = _device_zero       # "cuda" without a driver: creating the allocator will say why
     else:
