@@ -29,8 +29,10 @@ GiB = 1 << 30
 def run_python(code, **env):
     """Run `code` in a fresh interpreter (same sys.path); returns its stdout, stripped."""
     full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **env)
+    # cwd: the tests folder, so that a source checkout's pyalloc/ (no compiled modules when the
+    # package is installed elsewhere) never shadows the installed package on `-c`'s sys.path.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=full_env, timeout=120)
+                         env=full_env, timeout=120, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -33,7 +33,7 @@ def results(tmp_path_factory):
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     out = subprocess.run([sys.executable, str(HERE / "fake_driver_checks.py"), str(lib)],
-                         capture_output=True, text=True, env=env, timeout=300)
+                         capture_output=True, text=True, env=env, timeout=300, cwd=str(HERE))
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
