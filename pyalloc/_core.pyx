@@ -792,20 +792,35 @@ cdef class DeviceCachingAllocator:
         streams.swap(b.stream_uses)
         cdef uintptr_t event
         cdef uintptr_t stream
-        for stream in streams:
-            if self.event_pool.empty():
-                self.backend.event_create(&event)
-            else:
-                event = self.event_pool.back()
-                self.event_pool.pop_back()
-            try:
-                self.backend.event_record(event, stream)
-            except BaseException:
-                self.event_pool.push_back(event)
-                raise
-            b.event_count += 1
-            self.stream_events[stream].push_back(EventEntry(event, b))
-            self.outstanding_events += 1
+        cdef size_t done = 0
+        try:
+            for stream in streams:
+                if self.event_pool.empty():
+                    self.backend.event_create(&event)
+                else:
+                    event = self.event_pool.back()
+                    self.event_pool.pop_back()
+                try:
+                    self.backend.event_record(event, stream)
+                except BaseException:
+                    self.event_pool.push_back(event)
+                    raise
+                b.event_count += 1
+                self.stream_events[stream].push_back(EventEntry(event, b))
+                self.outstanding_events += 1
+                done += 1
+        except BaseException:
+            # Undo: the events recorded so far are the newest of their streams' queues.
+            for i in range(done):
+                stream = streams[i]
+                self.event_pool.push_back(self.stream_events[stream].back().first)
+                self.stream_events[stream].pop_back()
+                if self.stream_events[stream].empty():
+                    self.stream_events.erase(stream)
+                b.event_count -= 1
+                self.outstanding_events -= 1
+            b.stream_uses.swap(streams)
+            raise
         return 0
 
     cdef int _process_events(self) except -1:
@@ -1379,6 +1394,11 @@ cdef class DeviceCachingAllocator:
             self._unlock()
 
     cdef int _free(self, Block* b, uint32_t context_id) except -1:
+        # Events first: if recording one fails, _insert_events undoes its work and the block is
+        # still allocated, so the caller's free simply did not happen.
+        cdef bint wait_for_streams = not b.stream_uses.empty()
+        if wait_for_streams:
+            self._insert_events(b)
         b.allocated = False
         cdef BlockPool* pool = b.pool
         cdef int slot = 1 if pool.is_small else 2
@@ -1388,10 +1408,8 @@ cdef class DeviceCachingAllocator:
                     context_id if context_id else b.context_id)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, -1)
-        if b.stream_uses.empty():
+        if not wait_for_streams:
             self._free_block(b, context_id)
-        else:
-            self._insert_events(b)
         return 0
 
     def record_stream(self, ptr, stream):

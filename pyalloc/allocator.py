@@ -3,11 +3,22 @@
 Every allocation decision is made by DeviceCachingAllocator in _core.pyx; this module only wires it
 to its settings and backend and formats what it reports.
 """
+import logging
+
 from pyalloc import config as _config
 from pyalloc import snapshot as _snapshot
 from pyalloc._core import Buffer, DeviceCachingAllocator, metadata_string
 from pyalloc._backend import Backend
 from pyalloc.errors import format_bytes
+
+_log = logging.getLogger("pyalloc")
+
+
+def _sim_device(device):
+    # Each simulated device gets its own 1 TiB address range, so that (as with CUDA's unified
+    # addressing) no two devices ever hand out the same pointer and a pointer names its device.
+    from pyalloc._sim import SimDevice
+    return SimDevice(device=device, base_address=0x7F0000000000 + device * (1 << 40))
 
 
 def make_backend(backend, device):
@@ -17,14 +28,17 @@ def make_backend(backend, device):
             raise ValueError(f"backend serves device {backend.device}, but device={device} was asked for")
         return backend
     if backend == "sim":
-        from pyalloc._sim import SimDevice
-        return SimDevice(device=device)
+        return _sim_device(device)
     if backend == "cuda" or backend is None:
         from pyalloc import cuda_backend
         if backend is None and not cuda_backend.is_available():
-            from pyalloc._sim import SimDevice
-            return SimDevice(device=device)
-        return cuda_backend.open_device(device)
+            _log.info("pyalloc: backend=None chose the simulated device ('sim') for device %d: %s",
+                      device, cuda_backend.unavailable_reason())
+            return _sim_device(device)
+        chosen = cuda_backend.open_device(device)
+        if backend is None:
+            _log.info("pyalloc: backend=None chose the GPU ('cuda') for device %d", device)
+        return chosen
     raise ValueError(f"backend must be 'sim', 'cuda', None or a Backend object, got {backend!r}")
 
 

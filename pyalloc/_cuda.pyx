@@ -1,0 +1,420 @@
+# cython: language_level=3
+"""CudaDevice: the real-GPU backend, over cuda-python's Cython driver bindings (cydriver).
+
+This is the only pyalloc module that cimports cydriver; `import pyalloc` never imports it, so a
+machine without a driver (or without cuda-bindings) pays nothing until a CUDA backend is asked for
+(pyalloc.cuda_backend imports this module lazily).
+
+Contexts: each CudaDevice retains its device's primary context (the one the CUDA runtime, CuPy and
+PyTorch use) and makes it current around the driver calls that act on "the current context"
+(allocation, memory info, event creation and recording, synchronising stream 0), restoring the
+caller's context afterwards, so that a CuPy or PyTorch "current device" is never changed by pyalloc.
+
+Errors: every CUresult is checked; a failure raises pyalloc.CudaError(call, result, name,
+description). Out of memory from cuMemAlloc is not an error here: segment_alloc returns
+BACKEND_OOM so that the core can run its release-and-retry ladder.
+
+Driver calls that can block (cuMemAlloc, cuMemFree, which synchronises the device, and the
+synchronize calls) run with the GIL released; the core's own mutex keeps its state consistent.
+Wrappers of driver calls are never `noexcept`: with no driver, cydriver raises from the first
+call, and a noexcept function would swallow that and report CUDA_SUCCESS (build notes, pitfall 7).
+"""
+cimport cuda.bindings.cydriver as cydriver
+from libc.stdint cimport uintptr_t
+
+from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
+from pyalloc.errors import CudaError, NoCudaDriverError
+
+
+# ------------------------------------------------------------------------------------ errors
+
+def error_name(int result):
+    """(name, description) of a CUresult, e.g. ("CUDA_ERROR_OUT_OF_MEMORY", "out of memory")."""
+    cdef const char* name = NULL
+    cdef const char* desc = NULL
+    cdef cydriver.CUresult r = <cydriver.CUresult>result
+    if cydriver.cuGetErrorName(r, &name) != cydriver.CUDA_SUCCESS or name == NULL:
+        name = NULL
+    if cydriver.cuGetErrorString(r, &desc) != cydriver.CUDA_SUCCESS or desc == NULL:
+        desc = NULL
+    return ((name.decode("utf-8", "replace") if name != NULL else ""),
+            (desc.decode("utf-8", "replace") if desc != NULL else ""))
+
+
+cdef int raise_error(str call, cydriver.CUresult result) except -1:
+    name, desc = error_name(<int>result)
+    raise CudaError(call, <int>result, name, desc)
+
+
+cdef inline int check(cydriver.CUresult result, str call) except -1:
+    if result != cydriver.CUDA_SUCCESS:
+        raise_error(call, result)
+    return 0
+
+
+# ------------------------------------------------------------------------------ driver probe
+
+cdef bint _initialized = False
+cdef int _device_count = 0
+
+
+def probe():
+    """Initialise the driver once; returns (device_count, reason).
+
+    device_count is 0 when there is no usable driver or GPU, and reason then says why (a string
+    for error messages); on success reason is "". Repeated calls after a success return the cached
+    count without a driver call. A missing libcuda raises inside cydriver (RuntimeError, or its
+    subclass DynamicLibNotFoundError with newer cuda-bindings): that is caught and reported.
+    """
+    global _initialized, _device_count
+    cdef cydriver.CUresult r
+    cdef int count = 0
+    if _initialized:
+        return _device_count, ""
+    try:
+        with nogil:
+            r = cydriver.cuInit(0)
+    except (RuntimeError, OSError) as exc:
+        return 0, f"the CUDA driver library could not be loaded ({type(exc).__name__}: {exc})"
+    if r != cydriver.CUDA_SUCCESS:
+        name, desc = error_name(<int>r)
+        return 0, f"cuInit(0) failed with {name or 'CUresult'} {<int>r} ({desc or 'no description'})"
+    r = cydriver.cuDeviceGetCount(&count)
+    if r != cydriver.CUDA_SUCCESS:
+        name, desc = error_name(<int>r)
+        return 0, f"cuDeviceGetCount failed with {name or 'CUresult'} {<int>r} ({desc or 'no description'})"
+    if count <= 0:
+        return 0, "the CUDA driver reports no GPU (cuDeviceGetCount returned 0)"
+    _initialized = True
+    _device_count = count
+    return count, ""
+
+
+def driver_version():
+    """The driver's CUDA version as an int (e.g. 13000 for 13.0). Needs a successful probe()."""
+    cdef int version = 0
+    check(cydriver.cuDriverGetVersion(&version), "cuDriverGetVersion")
+    return version
+
+
+def current_device():
+    """Ordinal of the device whose context is current on this thread, or -1 when none is."""
+    cdef cydriver.CUcontext ctx = NULL
+    cdef cydriver.CUdevice dev = 0
+    if not _initialized:
+        return -1
+    check(cydriver.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent")
+    if ctx == NULL:
+        return -1
+    check(cydriver.cuCtxGetDevice(&dev), "cuCtxGetDevice")
+    return <int>dev
+
+
+def current_device_or_zero():
+    """current_device(), but 0 when no context is current: what device=None means to pyalloc."""
+    cdef cydriver.CUcontext ctx = NULL
+    cdef cydriver.CUdevice dev = 0
+    if not _initialized:
+        return 0
+    check(cydriver.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent")
+    if ctx == NULL:
+        return 0
+    check(cydriver.cuCtxGetDevice(&dev), "cuCtxGetDevice")
+    return <int>dev
+
+
+def pointer_device(uintptr_t ptr):
+    """Ordinal of the device that owns device pointer `ptr` (cuPointerGetAttribute)."""
+    cdef int ordinal = -1
+    if not _initialized:
+        raise NoCudaDriverError("the CUDA driver is not initialised (pyalloc.cuda_backend.is_available() first)")
+    check(cydriver.cuPointerGetAttribute(&ordinal, cydriver.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                         <cydriver.CUdeviceptr>ptr), "cuPointerGetAttribute")
+    return ordinal
+
+
+# ------------------------------------------------------------------------------ the backend
+
+cdef class CudaDevice(Backend):
+    """One GPU, through its primary context. Sizes are bytes; handles are ints.
+
+    Args:
+        device: device ordinal (0 .. device_count - 1).
+
+    The driver must have been probed successfully first (pyalloc.cuda_backend.open_device does
+    that and is the usual way to get one). close() releases the primary context; a CudaDevice that
+    still holds segments refuses to close.
+    """
+
+    cdef cydriver.CUdevice _cudevice
+    cdef cydriver.CUcontext _ctx
+    cdef bint _retained
+    cdef readonly Py_ssize_t live_segments     # segments allocated through this backend, not freed
+    cdef readonly size_t live_bytes            # their bytes
+
+    def __init__(self, int device=0):
+        cdef cydriver.CUdevice dev = 0
+        cdef cydriver.CUcontext ctx = NULL
+        cdef cydriver.CUresult r
+        if not _initialized:
+            count, reason = probe()
+            if not count:
+                raise NoCudaDriverError(f"cannot open CUDA device {device}: {reason}")
+        if device < 0 or device >= _device_count:
+            raise ValueError(f"device must be a CUDA ordinal in [0, {_device_count}), got {device}")
+        check(cydriver.cuDeviceGet(&dev, device), "cuDeviceGet")
+        with nogil:
+            r = cydriver.cuDevicePrimaryCtxRetain(&ctx, dev)
+        check(r, "cuDevicePrimaryCtxRetain")
+        self.device = device
+        self.kind = "cuda"
+        self._cudevice = dev
+        self._ctx = ctx
+        self._retained = True
+
+    def __dealloc__(self):
+        # Release our reference to the primary context. It is refcounted: CuPy/PyTorch (through
+        # the runtime) hold their own, so this never tears down a context someone else uses.
+        # Errors (e.g. CUDA_ERROR_DEINITIALIZED at exit) have nowhere to go and are ignored.
+        if self._retained:
+            self._retained = False
+            try:
+                cydriver.cuDevicePrimaryCtxRelease(self._cudevice)
+            except BaseException:
+                pass
+
+    def close(self):
+        """Release the primary context. Raises RuntimeError while segments are still allocated."""
+        if not self._retained:
+            return
+        if self.live_segments:
+            raise RuntimeError(
+                f"CudaDevice({self.device}) still holds {self.live_segments} segments "
+                f"({self.live_bytes} bytes); free them (empty_cache) before close()")
+        self._retained = False
+        check(cydriver.cuDevicePrimaryCtxRelease(self._cudevice), "cuDevicePrimaryCtxRelease")
+
+    @property
+    def closed(self):
+        return not self._retained
+
+    def __repr__(self):
+        return (f"CudaDevice(device={self.device}, live_segments={self.live_segments}, "
+                f"live_bytes={self.live_bytes}{', closed' if not self._retained else ''})")
+
+    cdef inline int _check_open(self) except -1:
+        if not self._retained:
+            raise RuntimeError(f"CudaDevice({self.device}) is closed")
+        return 0
+
+    # The calls below follow one pattern: inside one nogil block, remember the caller's context,
+    # make ours current if it is not, make the call, and put the caller's context back; then check
+    # the results in order with the GIL held. Switching only when needed keeps the common case
+    # (CuPy/PyTorch already on this device) at one thread-local read.
+
+    # ---------------------------------------------------------------- segments
+
+    cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUcontext ctx = self._ctx
+        cdef cydriver.CUdeviceptr dptr = 0
+        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_get = cydriver.cuCtxGetCurrent(&prev)
+            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_set = cydriver.cuCtxSetCurrent(ctx)
+            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuMemAlloc(&dptr, nbytes)
+                if prev != ctx:
+                    r_restore = cydriver.cuCtxSetCurrent(prev)
+        check(r_get, "cuCtxGetCurrent")
+        check(r_set, "cuCtxSetCurrent")
+        check(r_restore, "cuCtxSetCurrent")
+        if r_call == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+            return BACKEND_OOM
+        check(r_call, "cuMemAlloc")
+        self.live_segments += 1
+        self.live_bytes += nbytes
+        ptr[0] = <uintptr_t>dptr
+        return BACKEND_OK
+
+    cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUcontext ctx = self._ctx
+        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_get = cydriver.cuCtxGetCurrent(&prev)
+            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_set = cydriver.cuCtxSetCurrent(ctx)
+            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuMemFree(<cydriver.CUdeviceptr>ptr)
+                if prev != ctx:
+                    r_restore = cydriver.cuCtxSetCurrent(prev)
+        check(r_get, "cuCtxGetCurrent")
+        check(r_set, "cuCtxSetCurrent")
+        check(r_call, "cuMemFree")
+        check(r_restore, "cuCtxSetCurrent")
+        self.live_segments -= 1
+        self.live_bytes -= nbytes
+        return BACKEND_OK
+
+    cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUcontext ctx = self._ctx
+        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_get = cydriver.cuCtxGetCurrent(&prev)
+            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_set = cydriver.cuCtxSetCurrent(ctx)
+            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuMemGetInfo(free_bytes, total_bytes)
+                if prev != ctx:
+                    r_restore = cydriver.cuCtxSetCurrent(prev)
+        check(r_get, "cuCtxGetCurrent")
+        check(r_set, "cuCtxSetCurrent")
+        check(r_call, "cuMemGetInfo")
+        check(r_restore, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    def mem_get_info(self):
+        """(free_bytes, total_bytes) of the device, from cuMemGetInfo."""
+        cdef size_t free_bytes = 0, total_bytes = 0
+        self.memory_info(&free_bytes, &total_bytes)
+        return free_bytes, total_bytes
+
+    # ---------------------------------------------------------------- events and streams
+
+    cdef int event_create(self, uintptr_t* event) except -1:
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUcontext ctx = self._ctx
+        cdef cydriver.CUevent ev = NULL
+        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_get = cydriver.cuCtxGetCurrent(&prev)
+            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_set = cydriver.cuCtxSetCurrent(ctx)
+            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+                # No timing: the allocator only asks "done yet?", and timing events cost more.
+                r_call = cydriver.cuEventCreate(&ev, cydriver.CU_EVENT_DISABLE_TIMING)
+                if prev != ctx:
+                    r_restore = cydriver.cuCtxSetCurrent(prev)
+        check(r_get, "cuCtxGetCurrent")
+        check(r_set, "cuCtxSetCurrent")
+        check(r_call, "cuEventCreate")
+        check(r_restore, "cuCtxSetCurrent")
+        event[0] = <uintptr_t>ev
+        return BACKEND_OK
+
+    cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
+        # Our context must be current: stream handles 0/1/2 (legacy, per-thread) mean "the
+        # current context's" default stream.
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUcontext ctx = self._ctx
+        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_get = cydriver.cuCtxGetCurrent(&prev)
+            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_set = cydriver.cuCtxSetCurrent(ctx)
+            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuEventRecord(<cydriver.CUevent>event, <cydriver.CUstream>stream)
+                if prev != ctx:
+                    r_restore = cydriver.cuCtxSetCurrent(prev)
+        check(r_get, "cuCtxGetCurrent")
+        check(r_set, "cuCtxSetCurrent")
+        check(r_call, "cuEventRecord")
+        check(r_restore, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    cdef int event_query(self, uintptr_t event) except -1:
+        self._check_open()
+        cdef cydriver.CUresult r = cydriver.cuEventQuery(<cydriver.CUevent>event)
+        if r == cydriver.CUDA_SUCCESS:
+            return 1
+        if r == cydriver.CUDA_ERROR_NOT_READY:
+            return 0
+        raise_error("cuEventQuery", r)
+        return -1
+
+    cdef int event_synchronize(self, uintptr_t event) except -1:
+        self._check_open()
+        cdef cydriver.CUresult r
+        with nogil:
+            r = cydriver.cuEventSynchronize(<cydriver.CUevent>event)
+        check(r, "cuEventSynchronize")
+        return BACKEND_OK
+
+    cdef int event_destroy(self, uintptr_t event) except -1:
+        self._check_open()
+        check(cydriver.cuEventDestroy(<cydriver.CUevent>event), "cuEventDestroy")
+        return BACKEND_OK
+
+    cdef int stream_synchronize(self, uintptr_t stream) except -1:
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUcontext ctx = self._ctx
+        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_get = cydriver.cuCtxGetCurrent(&prev)
+            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_set = cydriver.cuCtxSetCurrent(ctx)
+            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuStreamSynchronize(<cydriver.CUstream>stream)
+                if prev != ctx:
+                    r_restore = cydriver.cuCtxSetCurrent(prev)
+        check(r_get, "cuCtxGetCurrent")
+        check(r_set, "cuCtxSetCurrent")
+        check(r_call, "cuStreamSynchronize")
+        check(r_restore, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    def synchronize(self):
+        """Wait for all work on the device (cuCtxSynchronize on its primary context)."""
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUcontext ctx = self._ctx
+        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_get = cydriver.cuCtxGetCurrent(&prev)
+            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_set = cydriver.cuCtxSetCurrent(ctx)
+            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuCtxSynchronize()
+                if prev != ctx:
+                    r_restore = cydriver.cuCtxSetCurrent(prev)
+        check(r_get, "cuCtxGetCurrent")
+        check(r_set, "cuCtxSetCurrent")
+        check(r_call, "cuCtxSynchronize")
+        check(r_restore, "cuCtxSetCurrent")
+
+    # Python-level access to the event calls, for tests and tools (the core uses the cdef ones).
+
+    def record_event(self, stream=0):
+        """Create an event and record it on `stream` (an int handle) now; returns its handle."""
+        cdef uintptr_t ev = 0
+        self.event_create(&ev)
+        try:
+            self.event_record(ev, <uintptr_t>stream)
+        except BaseException:
+            self.event_destroy(ev)
+            raise
+        return ev
+
+    def event_done(self, uintptr_t event):
+        """True when the work queued before the event's record has completed."""
+        return self.event_query(event) == 1
+
+    def destroy_event(self, uintptr_t event):
+        """Destroy an event made by record_event."""
+        self.event_destroy(event)

@@ -1,0 +1,222 @@
+"""CuPy on pyalloc: one line moves every CuPy device allocation onto pyalloc's default allocators.
+
+    import pyalloc.cupy
+    pyalloc.cupy.install()            # process-wide, until pyalloc.cupy.uninstall()
+    with pyalloc.cupy.using():        # or only inside a block, on this thread
+        ...
+
+Each CuPy allocation is made by the default allocator of CuPy's current device, for CuPy's
+current stream (both read at allocation: at free time "current" may belong to another thread). It
+is returned to CuPy as MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0): the owner is a
+pyalloc Buffer, so the memory goes back to pyalloc when CuPy drops the last array or view using it,
+and the device id is always passed so CuPy never has to look the pointer up.
+
+CuPy cannot say that an array is used on another stream; pyalloc.record_stream(array, stream)
+can, and then the memory is not reused before that stream's work up to the free has completed.
+
+Out of memory: after one gc.collect() and retry (arrays in reference cycles hold memory until
+collected, and CuPy's own pool does the same), the error raised is both a pyalloc.OutOfMemoryError
+and a cupy.cuda.memory.OutOfMemoryError, so code catching either keeps working.
+
+Not seen by pyalloc-backed allocations: CuPy's memory hooks (cupy.cuda.MemoryHook) and its pool
+statistics (cupy.get_default_memory_pool()); use pyalloc.memory_stats() instead. With CuPy's
+per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) every thread's default stream
+has the same handle, so memory freed by one thread may be reused by another thread's default
+stream without ordering; give threads their own streams in that mode.
+
+Importing this module does not import CuPy; install()/using() do.
+"""
+import contextlib
+import gc
+import threading
+
+from pyalloc import defaults as _defaults
+from pyalloc._core import Buffer
+from pyalloc.errors import NoCudaDriverError, OutOfMemoryError
+
+__all__ = ["install", "uninstall", "using", "is_installed", "allocator", "out_of_memory_error"]
+
+_lock = threading.Lock()
+_installed = None          # (our allocator function, CuPy's allocator before install) while installed
+_oom_class = None
+
+_FIGURES = ("requested", "segment_size", "device", "total", "free", "allocated",
+            "reserved_unallocated", "allowed")
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise ImportError(f"pyalloc.cupy needs CuPy (pip install cupy-cuda13x): {exc}") from exc
+    return cupy
+
+
+# ------------------------------------------------------------------------------ errors
+
+def _rebuild_oom(message, figures):
+    return out_of_memory_error()(message, **figures)
+
+
+def out_of_memory_error():
+    """The exception class raised on out of memory: a subclass of both pyalloc.OutOfMemoryError
+    and cupy.cuda.memory.OutOfMemoryError (created on first use, so this module imports without CuPy).
+    """
+    global _oom_class
+    if _oom_class is None:
+        cupy_oom = _import_cupy().cuda.memory.OutOfMemoryError
+
+        class CupyOutOfMemoryError(OutOfMemoryError, cupy_oom):
+            """Out of memory in a CuPy allocation served by pyalloc. Figures in bytes, as in
+            pyalloc.OutOfMemoryError; CuPy's _size/_total/_limit are set from them."""
+
+            def __init__(self, message, **figures):
+                # Neither base __init__ fits: pyalloc's passes the message on to CuPy's, which
+                # takes (size, total, limit). Set both sets of attributes here.
+                MemoryError.__init__(self, message)
+                for name in _FIGURES:
+                    setattr(self, name, figures.get(name))
+                reserved = (self.allocated or 0) + (self.reserved_unallocated or 0)
+                self._size = self.requested or 0
+                self._total = reserved
+                self._limit = self.allowed or 0
+
+            def __reduce__(self):
+                return (_rebuild_oom, (str(self), {n: getattr(self, n) for n in _FIGURES}))
+
+        CupyOutOfMemoryError.__module__ = __name__
+        CupyOutOfMemoryError.__qualname__ = "CupyOutOfMemoryError"
+        _oom_class = CupyOutOfMemoryError
+    return _oom_class
+
+
+def _as_cupy_oom(exc):
+    return out_of_memory_error()(str(exc), **{n: getattr(exc, n, None) for n in _FIGURES})
+
+
+# ------------------------------------------------------------------------------ the allocator
+
+def _check_backend(alloc):
+    """CuPy needs real device memory: refuse a default allocator on the simulated device."""
+    if alloc.backend.kind != "cuda":
+        raise NoCudaDriverError(
+            f"pyalloc.cupy: the default allocator of device {alloc.device} uses the "
+            f"{alloc.backend.kind!r} backend, not 'cuda'; CuPy needs GPU memory "
+            f"(pyalloc.set_default_backend(None) or 'cuda')")
+
+
+def allocator(device=None, fallback=None):
+    """A CuPy allocator function (nbytes -> cupy.cuda.MemoryPointer) over pyalloc.
+
+    device: None serves every device; an ordinal serves only allocations made while that device
+    is CuPy's current one, and passes the others to `fallback` (CuPy's allocator of your choice;
+    required then). Use it with cupy.cuda.set_allocator or cupy.cuda.using_allocator, or let
+    install()/using() do that.
+    """
+    cupy = _import_cupy()
+    if device is not None:
+        _defaults._check_device(device)
+        if fallback is None:
+            raise ValueError(f"allocator(device={device}) needs a fallback allocator for the other devices")
+    get_device_id = cupy.cuda.device.get_device_id
+    get_current_stream = cupy.cuda.get_current_stream
+    UnownedMemory = cupy.cuda.memory.UnownedMemory
+    MemoryPointer = cupy.cuda.memory.MemoryPointer
+    defaults = _defaults
+
+    def new_allocator(dev):
+        alloc = defaults.get_allocator(dev)
+        _check_backend(alloc)
+        return alloc
+
+    def malloc_after_oom(alloc, nbytes, stream):
+        gc.collect()
+        try:
+            return Buffer(alloc, nbytes, stream)
+        except OutOfMemoryError as exc:
+            raise _as_cupy_oom(exc) from None
+
+    # The hot path: a few attribute reads, one core malloc, CuPy's two wrapper objects.
+    def pyalloc_malloc(nbytes):
+        dev = get_device_id()
+        if device is not None and dev != device:
+            return fallback(nbytes)
+        alloc = defaults._allocators.get(dev)
+        if alloc is None:
+            alloc = new_allocator(dev)
+        stream = get_current_stream().ptr
+        try:
+            buf = Buffer(alloc, nbytes, stream)
+        except OutOfMemoryError:
+            buf = malloc_after_oom(alloc, nbytes, stream)
+        return MemoryPointer(UnownedMemory(buf.ptr, nbytes, buf, dev), 0)
+
+    pyalloc_malloc.pyalloc_device = device
+    return pyalloc_malloc
+
+
+def _check_default_backend():
+    choice = _defaults.get_default_backend()
+    if isinstance(choice, str) and choice != "cuda":
+        raise NoCudaDriverError(
+            f"pyalloc.cupy: the default backend is {choice!r}; CuPy needs the GPU "
+            "(pyalloc.set_default_backend(None) or 'cuda')")
+    if choice is None or choice == "cuda":
+        from pyalloc import cuda_backend
+        if not cuda_backend.is_available():
+            raise NoCudaDriverError(f"pyalloc.cupy needs a GPU: {cuda_backend.unavailable_reason()}")
+
+
+def install(device=None):
+    """Make pyalloc CuPy's allocator for the whole process (cupy.cuda.set_allocator).
+
+    device: None routes every device through pyalloc; an ordinal routes only that device and
+    leaves the others to the allocator CuPy had before. Installing again replaces the previous
+    install (keeping the allocator from before the first one for uninstall).
+    Raises NoCudaDriverError when there is no GPU (or the default backend is not the GPU).
+    """
+    global _installed
+    cupy = _import_cupy()
+    _check_default_backend()
+    with _lock:
+        previous = _installed[1] if _installed is not None else cupy.cuda.get_allocator()
+        fn = allocator(device, previous if device is not None else None)
+        cupy.cuda.set_allocator(fn)
+        _installed = (fn, previous)
+
+
+def uninstall():
+    """Give CuPy back the allocator it had before install(). Returns True if pyalloc was installed.
+
+    Memory already handed out stays valid and returns to pyalloc when CuPy drops it. If something
+    replaced pyalloc as CuPy's allocator after install(), that replacement is left in place.
+    """
+    global _installed
+    cupy = _import_cupy()
+    with _lock:
+        if _installed is None:
+            return False
+        fn, previous = _installed
+        _installed = None
+        if cupy.cuda.get_allocator() is fn:
+            cupy.cuda.set_allocator(previous)
+        return True
+
+
+def is_installed():
+    """True between install() and uninstall()."""
+    return _installed is not None
+
+
+@contextlib.contextmanager
+def using(device=None):
+    """Within the block, this thread's CuPy allocations go through pyalloc
+    (cupy.cuda.using_allocator: thread-local, nestable; the previous allocator comes back after).
+
+    device: as for install(). Yields the allocator function.
+    """
+    cupy = _import_cupy()
+    _check_default_backend()
+    fn = allocator(device, cupy.cuda.get_allocator() if device is not None else None)
+    with cupy.cuda.using_allocator(fn):
+        yield fn

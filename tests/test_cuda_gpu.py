@@ -1,0 +1,238 @@
+"""Specification of the CUDA backend on a real GPU, through the driver only (no CuPy needed).
+
+Marked `gpu`; skipped with the reason when no driver or GPU is visible. Data are checked with
+cuda.bindings.driver's Python API (memset, copy back), in the device's primary context.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+import pyalloc
+from pyalloc import cuda_backend
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda_backend.is_available(),
+                       reason=f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"),
+]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def drv(fn, *args):
+    """Call a cuda.bindings.driver function; assert success; return its outputs."""
+    out = fn(*args)
+    if not isinstance(out, tuple):
+        out = (out,)
+    err, rest = out[0], out[1:]
+    assert int(err) == 0, f"{fn.__name__}{args} failed with {err!r}"
+    return rest[0] if len(rest) == 1 else rest
+
+
+@pytest.fixture(scope="module")
+def driver():
+    from cuda.bindings import driver as d
+    drv(d.cuInit, 0)
+    return d
+
+
+def primary_context(driver, device):
+    dev = drv(driver.cuDeviceGet, device)
+    ctx = drv(driver.cuDevicePrimaryCtxRetain, dev)
+    return ctx
+
+
+def fill_and_read(driver, device, ptr, nbytes, value):
+    """memset `nbytes` at `ptr` to `value` in `device`'s context, copy back, restore the context."""
+    previous = drv(driver.cuCtxGetCurrent)
+    drv(driver.cuCtxSetCurrent, primary_context(driver, device))
+    try:
+        drv(driver.cuMemsetD8, ptr, value, nbytes)
+        host = np.empty(nbytes, dtype=np.uint8)
+        drv(driver.cuMemcpyDtoH, host.ctypes.data, ptr, nbytes)
+        drv(driver.cuCtxSynchronize)
+    finally:
+        drv(driver.cuCtxSetCurrent, previous)
+    return host
+
+
+@pytest.fixture
+def alloc():
+    a = pyalloc.CachingAllocator(0, backend="cuda")
+    yield a
+    a.empty_cache()
+
+
+@pytest.fixture
+def gpu_defaults():
+    pyalloc.set_default_backend(None)
+    yield
+    pyalloc.empty_cache()
+
+
+def test_backend_none_picks_the_gpu():
+    assert pyalloc.CachingAllocator(backend=None).backend.kind == "cuda"
+
+
+def test_one_default_allocator_per_visible_device(gpu_defaults):
+    from pyalloc import _cuda
+    count = cuda_backend.device_count()
+    allocators = [pyalloc.get_allocator(d) for d in range(count)]
+    assert len({id(a) for a in allocators}) == count
+    for d, a in enumerate(allocators):
+        assert (a.device, a.backend.kind) == (d, "cuda")
+        ptr = pyalloc.malloc(MiB, device=d)
+        assert _cuda.pointer_device(ptr) == d
+        pyalloc.free(ptr)
+        assert pyalloc.memory_allocated(d) == 0
+
+
+def test_default_allocator_rejects_a_device_beyond_the_visible_ones(gpu_defaults):
+    with pytest.raises(ValueError, match="visible"):
+        pyalloc.get_allocator(cuda_backend.device_count())
+
+
+def test_allocated_memory_holds_data(driver, alloc):
+    ptr = alloc.malloc(3 * MiB)
+    host = fill_and_read(driver, 0, ptr, 3 * MiB, 0x5A)
+    assert (host == 0x5A).all()
+    alloc.free(ptr)
+
+
+def test_a_cache_hit_reuses_the_block_without_a_driver_call(alloc):
+    ptr = alloc.malloc(MiB)
+    alloc.free(ptr)
+    segments = alloc.memory_stats()["num_device_alloc"]
+    assert alloc.malloc(MiB) == ptr
+    assert alloc.memory_stats()["num_device_alloc"] == segments
+    alloc.free(ptr)
+
+
+def test_memory_info_reports_the_devices_total(driver, alloc):
+    total = drv(driver.cuDeviceTotalMem, drv(driver.cuDeviceGet, 0))
+    free, reported_total = alloc.backend.mem_get_info()
+    assert reported_total == total
+    assert 0 < free <= total
+
+
+def test_empty_cache_returns_segments_to_the_driver(alloc):
+    alloc.free(alloc.malloc(GiB))
+    free_before, _ = alloc.backend.mem_get_info()
+    assert alloc.backend.live_bytes == GiB
+    alloc.empty_cache()
+    free_after, _ = alloc.backend.mem_get_info()
+    assert alloc.backend.live_segments == 0 and alloc.memory_reserved() == 0
+    assert free_after - free_before >= GiB - 64 * MiB      # the driver's figure, not ours
+
+
+def test_out_of_memory_on_the_device_raises_out_of_memory_error(alloc):
+    _, total = alloc.backend.mem_get_info()
+    with pytest.raises(pyalloc.OutOfMemoryError) as info:
+        alloc.malloc(total + GiB)
+    err = info.value
+    assert err.requested == total + GiB
+    assert err.total == total
+    assert "out of memory" in str(err).lower()
+
+
+def test_out_of_memory_leaves_the_allocator_usable(driver, alloc):
+    _, total = alloc.backend.mem_get_info()
+    with pytest.raises(pyalloc.OutOfMemoryError):
+        alloc.malloc(total + GiB)
+    ptr = alloc.malloc(MiB)
+    assert (fill_and_read(driver, 0, ptr, MiB, 7) == 7).all()
+    alloc.free(ptr)
+    assert alloc.memory_stats()["num_ooms"] == 1
+    alloc._check_invariants()
+
+
+def test_filling_the_device_ends_in_out_of_memory_and_frees_back(alloc):
+    chunk = 4 * GiB
+    ptrs = []
+    with pytest.raises(pyalloc.OutOfMemoryError):
+        for _ in range(1000):
+            ptrs.append(alloc.malloc(chunk))
+    assert len(ptrs) >= 1
+    for p in ptrs:
+        alloc.free(p)
+    alloc.empty_cache()
+    assert alloc.memory_reserved() == 0
+    alloc.free(alloc.malloc(chunk))                             # the device is usable again
+
+
+def test_the_callers_current_context_is_left_as_it_was(driver, alloc):
+    drv(driver.cuCtxSetCurrent, driver.CUcontext(0))
+    ptr = alloc.malloc(50 * MiB)                               # a new segment: a driver call
+    assert int(drv(driver.cuCtxGetCurrent)) == 0
+    alloc.free(ptr)
+    alloc.empty_cache()
+    assert int(drv(driver.cuCtxGetCurrent)) == 0
+
+
+def test_record_stream_event_completes_on_an_idle_stream(driver, alloc):
+    ctx = primary_context(driver, 0)
+    drv(driver.cuCtxSetCurrent, ctx)
+    stream = drv(driver.cuStreamCreate, 1)                      # CU_STREAM_NON_BLOCKING
+    try:
+        ptr = alloc.malloc(MiB)
+        alloc.record_stream(ptr, int(stream))
+        alloc.free(ptr)
+        drv(driver.cuStreamSynchronize, stream)
+        assert alloc.malloc(MiB) == ptr                         # the event has completed
+        alloc.free(ptr)
+    finally:
+        drv(driver.cuStreamDestroy, stream)
+
+
+def test_concurrent_threads_allocate_and_free_consistently():
+    a = pyalloc.CachingAllocator(0, backend="cuda")
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                sizes = rng.integers(1, 64 * MiB, size=4)
+                ptrs = [a.malloc(int(n)) for n in sizes]
+                for p in ptrs:
+                    a.free(p)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    a._check_invariants()
+    assert a.memory_allocated() == 0
+    a.empty_cache()
+
+
+@pytest.mark.skipif(cuda_backend.device_count() < 2, reason="needs two visible GPUs")
+def test_two_gpus_each_allocator_serves_its_own_device(driver, gpu_defaults):
+    from pyalloc import _cuda
+    drv(driver.cuCtxSetCurrent, primary_context(driver, 0))     # the caller works on device 0
+    p1 = pyalloc.malloc(8 * MiB, device=1)
+    p0 = pyalloc.malloc(8 * MiB, device=0)
+    assert (_cuda.pointer_device(p0), _cuda.pointer_device(p1)) == (0, 1)
+    assert _cuda.current_device() == 0                          # pyalloc switched and restored
+    assert (fill_and_read(driver, 1, p1, 8 * MiB, 0x11) == 0x11).all()
+    assert (fill_and_read(driver, 0, p0, 8 * MiB, 0x22) == 0x22).all()
+    assert pyalloc.memory_allocated(1) == 8 * MiB
+    pyalloc.free(p1)                                            # found on device 1 by lookup
+    pyalloc.free(p0)
+    assert (pyalloc.memory_allocated(0), pyalloc.memory_allocated(1)) == (0, 0)
+
+
+@pytest.mark.skipif(cuda_backend.device_count() < 2, reason="needs two visible GPUs")
+def test_two_gpus_device_none_follows_the_current_context(driver, gpu_defaults):
+    from pyalloc import _cuda
+    drv(driver.cuCtxSetCurrent, primary_context(driver, 1))
+    ptr = pyalloc.malloc(MiB)
+    assert _cuda.pointer_device(ptr) == 1
+    assert pyalloc.memory_allocated(1) == MiB
+    pyalloc.free(ptr)
