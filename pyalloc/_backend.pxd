@@ -34,11 +34,13 @@ cdef class Backend:
     cdef int stream_synchronize(self, uintptr_t stream) except -1
 
     # Virtual memory, for expandable segments: reserve address space, map/unmap physical pages.
+    # vm_map/vm_unmap cover whole pages of `page` bytes (a multiple of vm_granularity): each page
+    # is one physical allocation, so that any page can later be unmapped on its own.
     cdef int vm_granularity(self, size_t* nbytes) except -1
     cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1
-    cdef int vm_map(self, uintptr_t addr, size_t nbytes) except -1     # BACKEND_OOM when no memory
-    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes) except -1
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1     # BACKEND_OOM when no memory
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1
 
     # Stream capture, for CUDA graphs: returns 1 and fills capture id and terminal nodes (the
     # nodes new work on the stream will depend on) when the stream is capturing, else 0.

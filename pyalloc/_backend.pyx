@@ -45,10 +45,10 @@ cdef class Backend:
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
 
-    cdef int vm_map(self, uintptr_t addr, size_t nbytes) except -1:
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
 
-    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes) except -1:
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
 
     cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,

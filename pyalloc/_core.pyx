@@ -1008,7 +1008,7 @@ cdef class DeviceCachingAllocator:
         cdef size_t mapped = ((size + page - 1) // page) * page
         if mapped > to_map.size:
             mapped = to_map.size
-        if self.backend.vm_map(to_map.ptr, mapped) == BACKEND_OOM:
+        if self.backend.vm_map(to_map.ptr, mapped, page) == BACKEND_OOM:
             return 0
         cdef BlockPool* pool = to_map.pool
         pool.unmapped.erase(to_map)
@@ -1068,7 +1068,7 @@ cdef class DeviceCachingAllocator:
             return 0
         # Work queued on the segment's stream may still use these pages.
         self.backend.stream_synchronize(seg.stream)
-        self.backend.vm_unmap(first, last - first)
+        self.backend.vm_unmap(first, last - first, page)
         cdef BlockPool* pool = b.pool
         pool.blocks.erase(b)
         cdef Block* piece
@@ -1986,17 +1986,44 @@ def scan_trace(list entries):
     """
     cdef Py_ssize_t i, n = len(entries)
     cdef dict d
-    cdef str action
+    cdef PyObject* fields[4]
     segment_allocs = []
     segment_maps = []
+    k_action, k_addr, k_size, k_stream = "action", "addr", "size", "stream"
+    if n and type(entries[0]) is dict:
+        for key in <dict>entries[0]:
+            if key == "action": k_action = key
+            elif key == "addr": k_addr = key
+            elif key == "size": k_size = key
+            elif key == "stream": k_stream = key
+    # Action names are shared string objects in unpickled traces: remember up to eight that are
+    # neither of the two we look for, and skip those by identity.
+    cdef PyObject* other_names[8]
+    cdef int known_others = 0, j
+    cdef bint skip
     for i in range(n):
         d = entries[i]
-        action = d["action"]
+        if leading_fields(d, k_action, k_addr, k_size, k_stream, fields):
+            action = <object>fields[0]
+        else:
+            action = d[k_action]
+        skip = False
+        for j in range(known_others):
+            if <PyObject*>action == other_names[j]:
+                skip = True
+                break
+        if skip:
+            continue
         if action == "segment_alloc":
-            segment_allocs.append((d["addr"], d["size"]))
+            segment_allocs.append((d[k_addr], d[k_size]))
         elif action == "segment_map":
-            segment_maps.append(d["addr"])
+            segment_maps.append(d[k_addr])
+        elif known_others < 8:
+            other_names[known_others] = <PyObject*>action   # kept alive by the entries list
+            known_others += 1
     return segment_allocs, segment_maps
+
+
 # ------------------------------------------------------------------------------- stacks
 
 cdef extern from *:

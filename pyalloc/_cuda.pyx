@@ -21,6 +21,9 @@ call, and a noexcept function would swallow that and report CUDA_SUCCESS (build 
 """
 cimport cuda.bindings.cydriver as cydriver
 from libc.stdint cimport uintptr_t
+from libc.string cimport memset
+from libcpp.unordered_map cimport unordered_map
+from libcpp.vector cimport vector
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc.errors import CudaError, NoCudaDriverError
@@ -151,6 +154,9 @@ cdef class CudaDevice(Backend):
     cdef bint _retained
     cdef readonly Py_ssize_t live_segments     # segments allocated through this backend, not freed
     cdef readonly size_t live_bytes            # their bytes
+    # Expandable segments: physical allocation handle of each mapped page, by page address.
+    cdef unordered_map[uintptr_t, cydriver.CUmemGenericAllocationHandle] _page_handles
+    cdef readonly size_t mapped_bytes          # bytes currently mapped through vm_map
 
     def __init__(self, int device=0):
         cdef cydriver.CUdevice dev = 0
@@ -418,3 +424,114 @@ cdef class CudaDevice(Backend):
     def destroy_event(self, uintptr_t event):
         """Destroy an event made by record_event."""
         self.event_destroy(event)
+
+    # ---------------------------------------------------------------- virtual memory
+
+    cdef void _allocation_prop(self, cydriver.CUmemAllocationProp* prop) noexcept nogil:
+        memset(prop, 0, sizeof(cydriver.CUmemAllocationProp))
+        prop.type = cydriver.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+
+    cdef int vm_granularity(self, size_t* nbytes) except -1:
+        self._check_open()
+        cdef cydriver.CUmemAllocationProp prop
+        self._allocation_prop(&prop)
+        check(cydriver.cuMemGetAllocationGranularity(nbytes, &prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+              "cuMemGetAllocationGranularity")
+        return BACKEND_OK
+
+    cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
+        self._check_open()
+        cdef cydriver.CUdeviceptr ptr = 0
+        cdef cydriver.CUresult r
+        with nogil:
+            r = cydriver.cuMemAddressReserve(&ptr, nbytes, 0, 0, 0)
+        check(r, "cuMemAddressReserve")
+        base[0] = <uintptr_t>ptr
+        return BACKEND_OK
+
+    cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
+        self._check_open()
+        cdef cydriver.CUresult r
+        with nogil:
+            r = cydriver.cuMemAddressFree(<cydriver.CUdeviceptr>base, nbytes)
+        check(r, "cuMemAddressFree")
+        return BACKEND_OK
+
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
+        """Back [addr, addr + nbytes) with one physical allocation per `page` bytes, mapped and
+        made readable and writable by this device. BACKEND_OOM (nothing left mapped) when the
+        device runs out of memory part way."""
+        self._check_open()
+        if page == 0 or nbytes % page or addr % page:
+            raise ValueError(f"vm_map of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
+        cdef cydriver.CUmemAllocationProp prop
+        self._allocation_prop(&prop)
+        cdef cydriver.CUmemAccessDesc access
+        memset(&access, 0, sizeof(access))
+        access.location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        cdef size_t count = nbytes // page
+        cdef vector[cydriver.CUmemGenericAllocationHandle] handles
+        handles.resize(count)
+        cdef size_t created = 0, mapped = 0, i
+        cdef cydriver.CUresult r_create = cydriver.CUDA_SUCCESS, r_map = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_access = cydriver.CUDA_SUCCESS
+        with nogil:
+            while created < count:
+                r_create = cydriver.cuMemCreate(&handles[created], page, &prop, 0)
+                if r_create != cydriver.CUDA_SUCCESS:
+                    break
+                created += 1
+            if created == count:
+                while mapped < count:
+                    r_map = cydriver.cuMemMap(<cydriver.CUdeviceptr>(addr + mapped * page), page, 0,
+                                              handles[mapped], 0)
+                    if r_map != cydriver.CUDA_SUCCESS:
+                        break
+                    mapped += 1
+            if mapped == count:
+                r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>addr, nbytes, &access, 1)
+            if r_access != cydriver.CUDA_SUCCESS or mapped != count:
+                # Undo this call's work so that a failure leaves nothing half mapped.
+                for i in range(mapped):
+                    cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(addr + i * page), page)
+                for i in range(created):
+                    cydriver.cuMemRelease(handles[i])
+        if r_create == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+            return BACKEND_OOM
+        check(r_create, "cuMemCreate")
+        check(r_map, "cuMemMap")
+        check(r_access, "cuMemSetAccess")
+        for i in range(count):
+            self._page_handles[addr + i * page] = handles[i]
+        self.mapped_bytes += nbytes
+        return BACKEND_OK
+
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
+        """Unmap and release the pages of [addr, addr + nbytes), mapped earlier by vm_map."""
+        self._check_open()
+        if page == 0 or nbytes % page or addr % page:
+            raise ValueError(f"vm_unmap of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
+        cdef size_t count = nbytes // page, i
+        cdef vector[cydriver.CUmemGenericAllocationHandle] handles
+        for i in range(count):
+            if self._page_handles.count(addr + i * page) == 0:
+                raise ValueError(f"vm_unmap: page {addr + i * page:#x} was not mapped by vm_map")
+            handles.push_back(self._page_handles[addr + i * page])
+        cdef cydriver.CUresult r_unmap = cydriver.CUDA_SUCCESS, r_release = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>addr, nbytes)
+            if r_unmap == cydriver.CUDA_SUCCESS:
+                for i in range(count):
+                    r_release = cydriver.cuMemRelease(handles[i])
+                    if r_release != cydriver.CUDA_SUCCESS:
+                        break
+        check(r_unmap, "cuMemUnmap")
+        for i in range(count):
+            self._page_handles.erase(addr + i * page)
+        self.mapped_bytes -= nbytes
+        check(r_release, "cuMemRelease")
+        return BACKEND_OK

@@ -301,7 +301,7 @@ cdef class SimDevice(Backend):
             raise RuntimeError(f"SimDevice: {what} at {addr:#x} (+{nbytes}) runs past its reservation")
         return 0
 
-    cdef int vm_map(self, uintptr_t addr, size_t nbytes) except -1:
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self.counters["vm_map"] += 1
         self._check_range(addr, nbytes, "map")
         if nbytes > self.total_memory - self.used_memory:
@@ -318,7 +318,7 @@ cdef class SimDevice(Backend):
         self.used_memory += nbytes
         return BACKEND_OK
 
-    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes) except -1:
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self.counters["vm_unmap"] += 1
         self._check_range(addr, nbytes, "unmap")
         cdef uintptr_t page = addr

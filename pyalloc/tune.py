@@ -24,12 +24,14 @@ Placement, and why the table compares fresh replays:
     peak reserved bytes for those runs exactly in 7 of 8 cases, 4 MiB (0.03%) off in the eighth.
     Bottom-up first fit, the simulated device's other mode, missed by up to 2.9%.
 
-Parallelism: a ProcessPoolExecutor whose workers each load the trace once (pool initializer) and
-then replay one setting per task; results do not depend on the number of workers.
+Parallelism: a ProcessPoolExecutor whose workers inherit the loaded trace by fork (or, where
+processes cannot fork, load it once each in the pool initializer) and then replay one setting per
+task; results do not depend on the number of workers.
 """
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import shlex
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -248,12 +250,12 @@ def _replay_job(job):
 
 def _run_jobs(jobs, snapshot, source, workers, progress):
     """Run the jobs in `workers` processes (in this one for 1) and return results by index."""
+    global _worker_snapshot
     results = {}
     total = len(jobs)
     if progress is not None:
         progress(0, total)
     if workers <= 1 or total <= 1:
-        global _worker_snapshot
         saved, _worker_snapshot = _worker_snapshot, snapshot
         try:
             for job in jobs:
@@ -264,10 +266,24 @@ def _run_jobs(jobs, snapshot, source, workers, progress):
         finally:
             _worker_snapshot = saved
         return results
-    # Workers load the trace themselves from its path: passing the loaded dict would pickle the
-    # whole trace to every worker, which costs about as much as loading it.
-    with ProcessPoolExecutor(max_workers=min(workers, total), initializer=_init_worker,
-                             initargs=(source,)) as pool:
+    # Where processes can fork, workers inherit the trace this process already loaded (no copy
+    # until written, and a replay only reads it). Elsewhere they load it themselves from its
+    # path: passing the loaded dict would pickle the whole trace to every worker, which costs
+    # about as much as loading it.
+    if snapshot is not None and "fork" in multiprocessing.get_all_start_methods():
+        saved, _worker_snapshot = _worker_snapshot, _slim(snapshot)
+        pool_args = dict(mp_context=multiprocessing.get_context("fork"))
+    else:
+        saved = _worker_snapshot
+        pool_args = dict(initializer=_init_worker, initargs=(source,))
+    try:
+        return _collect(jobs, workers, total, progress, pool_args, results)
+    finally:
+        _worker_snapshot = saved
+
+
+def _collect(jobs, workers, total, progress, pool_args, results):
+    with ProcessPoolExecutor(max_workers=min(workers, total), **pool_args) as pool:
         futures = [pool.submit(_replay_job, job) for job in jobs]
         try:
             for future in as_completed(futures):
@@ -349,6 +365,9 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         _, row.result, row.skipped, row.error = outcomes[i]
 
     ran = [r for r in [own_fresh] + rows if r.result is not None]
+    # Every replay notices a wrapped trace (frees of blocks it never saw); ask one that ran.
+    replayed = [r.result for r in [baseline] + ran if r.result is not None]
+    wrapped = replayed[0].wrapped if replayed else looks_wrapped(entries)
     reference = own_fresh.result
     if reference is not None:
         for row in ran:
@@ -365,7 +384,7 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         trace=str(trace) if not isinstance(trace, dict) else "<snapshot>", device=device,
         device_memory=device_memory, events=len(entries),
         allocations=sum(1 for e in entries if e["action"] == "alloc"),
-        wrapped=looks_wrapped(entries), own_config=own, baseline=baseline, rows=ran,
+        wrapped=wrapped, own_config=own, baseline=baseline, rows=ran,
         # The own setting's fresh row repeats the baseline's reason when both were skipped.
         skipped=[r for r in not_run if r.skipped and not (r is own_fresh and baseline.skipped)],
         failed=[r for r in not_run if not r.skipped], best=best)

@@ -1,0 +1,48 @@
+"""Replay and tune speed on the simulated device (issue 7's targets: >= 3,000,000 events/s counting
+everything after the pickle is loaded; tune of an ~800,000-event trace over the default grid in
+under 10 s on a 2-core machine, pickle load excluded).
+
+Run:  python -m pytest bench/bench_replay.py --benchmark-only
+The 846,496-event trace is the GPT-2 training trace of ../shared/traces repeated 16 times.
+"""
+import gzip
+import pickle
+from pathlib import Path
+
+import pytest
+
+from pyalloc.replay import replay
+from pyalloc.tune import tune
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return pickle.load(gzip.open(TRACES / "gpt2_train-default.pickle.gz"))
+
+
+@pytest.fixture(scope="module")
+def big_trace(gpt2):
+    return {"segments": [], "device_traces": [gpt2["device_traces"][0] * 16],
+            "allocator_settings": gpt2["allocator_settings"]}
+
+
+def test_replay_recorded_placement(benchmark, gpt2):
+    result = benchmark.pedantic(replay, args=(gpt2,), rounds=5, iterations=1)
+    benchmark.extra_info["events_per_second"] = result.events_per_second
+    assert result.address_matches == result.allocations
+
+
+def test_replay_800k_events_fresh_placement(benchmark, big_trace):
+    result = benchmark.pedantic(replay, args=(big_trace,), kwargs={"placement": "fresh"},
+                                rounds=3, iterations=1)
+    benchmark.extra_info["events"] = result.events
+    benchmark.extra_info["events_per_second"] = result.events_per_second
+    assert result.events == 16 * 52906
+
+
+def test_tune_800k_events_default_grid_two_jobs(benchmark, big_trace):
+    result = benchmark.pedantic(tune, args=(big_trace,), kwargs={"jobs": 2}, rounds=1, iterations=1)
+    benchmark.extra_info["settings"] = len(result.rows)
+    assert result.rows and all(r.result is not None for r in result.rows if not r.skipped)
