@@ -18,6 +18,16 @@ def main(path):
         if floor and name.startswith("test_malloc_free_pair"):
             row += f"   pair/floor {value / floor:5.2f}   pair/floor_signature {value / floor_sig:5.2f}"
         rows.append(row)
+    for name, b in sorted((b["name"], b) for b in data["benchmarks"]):
+        if b.get("extra_info"):
+            info = ", ".join(f"{k}={v:,.0f}" if isinstance(v, (int, float)) else f"{k}={v}"
+                             for k, v in b["extra_info"].items())
+            rows.append(f"{name:45s} {info}")
+    off = next((v for k, v in med.items() if "history" in k and k.endswith("[off]")), None)
+    if off:
+        for name, value in sorted(med.items()):
+            if "history" in name and not name.endswith("[off]"):
+                rows.append(f"{name:45s} / history off: {value / off:5.2f}")
     base = med.get("test_pair_with_live_blocks[100]")
     if base:
         for live in (10_000, 100_000):

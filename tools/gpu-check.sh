@@ -77,23 +77,35 @@ if cuda_backend.is_available():
 EOF
 
 say "GPU tests"
-timeout 420 python3 -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/junit-gpu.xml" \
-    tests/test_cuda_gpu.py tests/test_cupy_gpu.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -60
+timeout 240 python3 -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/junit-gpu.xml" \
+    tests/test_cuda_gpu.py tests/test_cupy_gpu.py tests/test_expandable_gpu.py 2>&1 \
+    | tee "$OUT/pytest-gpu.txt" | tail -40
 gpu_rc=${PIPESTATUS[0]}
 
-say "whole suite"
-timeout 300 python3 -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/junit-all.xml" \
-    --ignore=tests/test_cuda_gpu.py --ignore=tests/test_cupy_gpu.py tests 2>&1 \
-    | tee "$OUT/pytest-all.txt" | tail -25
+say "GPU tests again, every allocator with expandable_segments:True"
+PYALLOC_CONF=expandable_segments:True timeout 150 python3 -m pytest -p no:cacheprovider -q -rs \
+    --junitxml="$OUT/junit-gpu-expandable.xml" tests/test_cuda_gpu.py tests/test_cupy_gpu.py 2>&1 \
+    | tee "$OUT/pytest-gpu-expandable.txt" | tail -30
+exp_rc=${PIPESTATUS[0]}
+
+say "rest of the suite (CPU tests on this machine's Python)"
+timeout 120 python3 -m pytest -p no:cacheprovider -q -x --junitxml="$OUT/junit-all.xml" \
+    --ignore=tests/test_cuda_gpu.py --ignore=tests/test_cupy_gpu.py --ignore=tests/test_expandable_gpu.py \
+    tests 2>&1 | tail -8
 all_rc=${PIPESTATUS[0]}
 
-say "GPU benchmark (pytest-benchmark)"
-timeout 300 python3 -m pytest -p no:cacheprovider -q bench/bench_gpu.py \
-    --benchmark-json="$OUT/bench-gpu-pytest.json" --benchmark-columns=min,median,mean,rounds \
-    2>&1 | tee "$OUT/bench-gpu-pytest.txt" | tail -20
-
 say "GPU benchmark (same-run table)"
-timeout 300 python3 bench/bench_gpu.py --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
+timeout 120 python3 bench/bench_gpu.py --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.txt"
+
+say "expandable segments: cost of a map and an unmap"
+timeout 60 python3 bench/expandable_gpu_cost.py --repeat 200 2>&1 | tee "$OUT/expandable-cost.txt"
+timeout 60 python3 bench/expandable_gpu_cost.py --pages 5 --repeat 100 2>&1 | tee -a "$OUT/expandable-cost.txt"
+
+say "core hot path, replay and history benchmarks (absolute times on this machine's CPU)"
+timeout 150 python3 -m pytest -p no:cacheprovider -q bench/bench_core.py bench/bench_replay.py \
+    bench/bench_history.py --benchmark-only --benchmark-max-time=0.5 --benchmark-min-rounds=5 \
+    --benchmark-json="$OUT/bench-cpu.json" 2>&1 | tail -5
+python3 bench/report.py "$OUT/bench-cpu.json" 2>&1 | tee "$OUT/bench-cpu.txt"
 
 say "summary"
 python3 - "$OUT" <<'EOF'
@@ -101,7 +113,7 @@ import sys, xml.etree.ElementTree as ET
 from pathlib import Path
 out = Path(sys.argv[1])
 print(f"{'suite':<24}{'tests':>7}{'passed':>8}{'failed':>8}{'errors':>8}{'skipped':>9}")
-for name in ("junit-gpu.xml", "junit-all.xml"):
+for name in ("junit-gpu.xml", "junit-gpu-expandable.xml", "junit-all.xml"):
     p = out / name
     if not p.exists():
         print(f"{name:<24}  (missing)")
@@ -120,4 +132,4 @@ if bench.exists():
     print(bench.read_text().rstrip())
 EOF
 
-[ "$gpu_rc" -eq 0 ] && [ "$all_rc" -eq 0 ]
+[ "$gpu_rc" -eq 0 ] && [ "$exp_rc" -eq 0 ] && [ "$all_rc" -eq 0 ]
