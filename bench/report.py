@@ -18,7 +18,8 @@ def main(path):
         if floor and name.startswith("test_malloc_free_pair"):
             row += f"   pair/floor {value / floor:5.2f}   pair/floor_signature {value / floor_sig:5.2f}"
         rows.append(row)
-    for name, b in sorted((b["name"], b) for b in data["benchmarks"]):
+    for b in sorted(data["benchmarks"], key=lambda b: b["name"]):
+        name = b["name"]
         if b.get("extra_info"):
             info = ", ".join(f"{k}={v:,.0f}" if isinstance(v, (int, float)) else f"{k}={v}"
                              for k, v in b["extra_info"].items())

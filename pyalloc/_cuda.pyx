@@ -464,7 +464,8 @@ cdef class CudaDevice(Backend):
         made readable and writable by this device. BACKEND_OOM (nothing left mapped) when the
         device runs out of memory part way."""
         self._check_open()
-        if page == 0 or nbytes % page or addr % page:
+        # Pages count from the segment's base, which is only granularity-aligned: check sizes.
+        if page == 0 or nbytes % page:
             raise ValueError(f"vm_map of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
         cdef cydriver.CUmemAllocationProp prop
         self._allocation_prop(&prop)
@@ -513,7 +514,8 @@ cdef class CudaDevice(Backend):
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
         """Unmap and release the pages of [addr, addr + nbytes), mapped earlier by vm_map."""
         self._check_open()
-        if page == 0 or nbytes % page or addr % page:
+        # Pages count from the segment's base, which is only granularity-aligned: check sizes.
+        if page == 0 or nbytes % page:
             raise ValueError(f"vm_unmap of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
         cdef size_t count = nbytes // page, i
         cdef vector[cydriver.CUmemGenericAllocationHandle] handles

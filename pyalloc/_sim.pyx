@@ -248,6 +248,15 @@ cdef class SimDevice(Backend):
         """Bytes of physical memory mapped into reservations."""
         return self._mapped_pages.size() * GRANULE
 
+    def is_mapped(self, uintptr_t addr, size_t nbytes):
+        """True when every 2 MiB page touching [addr, addr + nbytes) is mapped."""
+        cdef uintptr_t page = addr & ~(GRANULE - 1)
+        while page < addr + nbytes:
+            if not self._mapped_pages.count(page):
+                return False
+            page += GRANULE
+        return True
+
     def reservations(self):
         """Live reservations as a sorted list of (base address, size_bytes)."""
         return [(p.first, p.second) for p in self._reservations]

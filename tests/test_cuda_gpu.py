@@ -231,8 +231,13 @@ def test_two_gpus_each_allocator_serves_its_own_device(driver, gpu_defaults):
 @pytest.mark.skipif(cuda_backend.device_count() < 2, reason="needs two visible GPUs")
 def test_two_gpus_device_none_follows_the_current_context(driver, gpu_defaults):
     from pyalloc import _cuda
+    previous = drv(driver.cuCtxGetCurrent)
     drv(driver.cuCtxSetCurrent, primary_context(driver, 1))
-    ptr = pyalloc.malloc(MiB)
-    assert _cuda.pointer_device(ptr) == 1
-    assert pyalloc.memory_allocated(1) == MiB
-    pyalloc.free(ptr)
+    try:
+        ptr = pyalloc.malloc(MiB)
+        assert _cuda.pointer_device(ptr) == 1
+        assert pyalloc.memory_allocated(1) == MiB
+        pyalloc.free(ptr)
+    finally:
+        # Later tests (and CuPy, whose current device follows the context) expect device 0.
+        drv(driver.cuCtxSetCurrent, previous)

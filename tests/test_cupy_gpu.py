@@ -99,7 +99,9 @@ def test_cupy_allocation_is_made_for_cupys_current_stream():
     alloc = pyalloc.get_allocator(0)
     streams = {seg["stream"] for seg in alloc._segments()
                for blk in seg["blocks"] if blk["address"] == a.data.ptr}
-    assert streams == {s.ptr}
+    assert streams == {s.ptr}, (
+        f"array at {a.data.ptr:#x} ({type(a.data.mem).__name__}) not found among the blocks of "
+        f"{alloc!r}: {[hex(b['address']) for seg in alloc._segments() for b in seg['blocks']][:16]}")
     del a
     s.synchronize()
 
@@ -304,6 +306,10 @@ def test_out_of_memory_leaves_the_allocator_usable():
     pyalloc.get_allocator()._check_invariants()
 
 
+# Indices of the cumsum results in workload()'s output (six results per size, cumsum is the fifth).
+SCAN_RESULTS = {6 * i + 4 for i in range(8)}
+
+
 def workload(seed):
     """FFT, matmul, reductions, scans and sorts over many sizes; results as host arrays."""
     rng = np.random.default_rng(seed)
@@ -337,4 +343,10 @@ def test_cupy_workload_gives_identical_results_with_and_without_pyalloc():
     assert len(reference) == len(with_pyalloc)
     for i, (r, p) in enumerate(zip(reference, with_pyalloc)):
         assert r.dtype == p.dtype and r.shape == p.shape, i
-        assert np.array_equal(r, p), f"result {i} differs"
+        if i in SCAN_RESULTS:
+            # CUB's device-wide scan combines tile sums in whatever order the tiles finish
+            # (decoupled look-back), so a float cumsum can differ run to run in the last bits
+            # whatever the allocator. Every other result must be bit-identical.
+            np.testing.assert_allclose(p, r, rtol=1e-5, atol=1e-4, err_msg=f"result {i}")
+        else:
+            assert np.array_equal(r, p), f"result {i} differs"

@@ -87,6 +87,9 @@ def test_segment_grows_and_shrinks_under_running_kernels_without_corruption(allo
     assert alloc.memory_stats()["num_device_free"] > 0
     for q, _, _ in keep:
         alloc.free(q)
+    # Unmap while the stream still exists: unmapping synchronizes the segment's stream.
+    alloc.empty_cache()
+    assert alloc.backend.mapped_bytes == 0
 
 
 def test_out_of_memory_while_mapping_raises_and_allocator_stays_usable(alloc):

@@ -52,6 +52,7 @@ rm -rf "$T"
 mkdir -p "$T/repo"
 cp -r "$ROOT/tests" "$T/repo/tests"
 cp -r "$ROOT/bench" "$T/repo/bench"
+cp -r "$ROOT/examples" "$T/repo/examples"
 for shared in "$ROOT/shared" "$ROOT/../shared"; do
     if [ -d "$shared/traces" ]; then ln -s "$(cd "$shared" && pwd)" "$T/shared"; break; fi
 done
