@@ -32,6 +32,7 @@ cdef class Backend:
     cdef int event_synchronize(self, uintptr_t event) except -1
     cdef int event_destroy(self, uintptr_t event) except -1
     cdef int stream_synchronize(self, uintptr_t stream) except -1
+    cdef int device_synchronize(self) except -1
 
     # Virtual memory, for expandable segments: reserve address space, map/unmap physical pages.
     # vm_map/vm_unmap cover whole pages of `page` bytes (a multiple of vm_granularity): each page

@@ -36,6 +36,9 @@ cdef class Backend:
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no streams")
 
+    cdef int device_synchronize(self) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot synchronize")
+
     cdef int vm_granularity(self, size_t* nbytes) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
 

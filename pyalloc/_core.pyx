@@ -1066,8 +1066,10 @@ cdef class DeviceCachingAllocator:
         cdef uintptr_t last = seg.base + ((offset + b.size) // page) * page
         if first >= last:
             return 0
-        # Work queued on the segment's stream may still use these pages.
-        self.backend.stream_synchronize(seg.stream)
+        # Work queued before the free may still use these pages. PyTorch synchronizes only the
+        # segment's stream; pyalloc waits for the device, because CuPy destroys a stream when its
+        # object is collected, and synchronizing a destroyed stream handle is undefined.
+        self.backend.device_synchronize()
         self.backend.vm_unmap(first, last - first, page)
         cdef BlockPool* pool = b.pool
         pool.blocks.erase(b)

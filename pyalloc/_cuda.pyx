@@ -384,6 +384,10 @@ cdef class CudaDevice(Backend):
         check(r_restore, "cuCtxSetCurrent")
         return BACKEND_OK
 
+    cdef int device_synchronize(self) except -1:
+        self.synchronize()
+        return BACKEND_OK
+
     def synchronize(self):
         """Wait for all work on the device (cuCtxSynchronize on its primary context)."""
         self._check_open()

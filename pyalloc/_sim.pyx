@@ -112,7 +112,7 @@ cdef class SimDevice(Backend):
         self.counters = dict.fromkeys(
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
              "event_query", "event_synchronize", "event_destroy", "stream_synchronize",
-             "vm_reserve", "vm_release", "vm_map", "vm_unmap"), 0)
+             "device_synchronize", "vm_reserve", "vm_release", "vm_map", "vm_unmap"), 0)
 
     def __repr__(self):
         return (f"SimDevice(total_memory={self.total_memory}, device={self.device}, "
@@ -443,6 +443,11 @@ cdef class SimDevice(Backend):
             streams.push_back(p.first)
         for s in streams:
             self._advance(s, self._stream(s).launched)
+
+    cdef int device_synchronize(self) except -1:
+        self.counters["device_synchronize"] += 1
+        self.synchronize()
+        return BACKEND_OK
 
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         self.counters["stream_synchronize"] += 1

@@ -347,6 +347,9 @@ def test_cupy_workload_gives_identical_results_with_and_without_pyalloc():
             # CUB's device-wide scan combines tile sums in whatever order the tiles finish
             # (decoupled look-back), so a float cumsum can differ run to run in the last bits
             # whatever the allocator. Every other result must be bit-identical.
-            np.testing.assert_allclose(p, r, rtol=1e-5, atol=1e-4, err_msg=f"result {i}")
+            # A reordered float32 sum is off by a few units in the last place of the largest
+            # partial sum it passed through.
+            tolerance = 4 * float(np.spacing(np.abs(r).max()))
+            np.testing.assert_allclose(p, r, rtol=0, atol=tolerance, err_msg=f"result {i}")
         else:
             assert np.array_equal(r, p), f"result {i} differs"

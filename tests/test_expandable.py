@@ -83,7 +83,7 @@ def test_unmap_keeps_partial_pages_mapped():
     a._check_invariants()
 
 
-def test_unmap_synchronizes_the_segment_stream():
+def test_unmap_first_waits_for_work_queued_on_the_segment_stream():
     a, sim = make()
     s = sim.create_stream()
     p = a.malloc(30 * MiB, s)
