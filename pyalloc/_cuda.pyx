@@ -213,31 +213,37 @@ cdef class CudaDevice(Backend):
             raise RuntimeError(f"CudaDevice({self.device}) is closed")
         return 0
 
-    # The calls below follow one pattern: inside one nogil block, remember the caller's context,
-    # make ours current if it is not, make the call, and put the caller's context back; then check
-    # the results in order with the GIL held. Switching only when needed keeps the common case
-    # (CuPy/PyTorch already on this device) at one thread-local read.
+    # The calls below follow one pattern: inside one nogil block, _enter makes our context current
+    # (remembering the caller's), the call is made, and _leave puts the caller's context back; the
+    # results are checked with the GIL held. Switching only when needed keeps the common case
+    # (CuPy/PyTorch already on this device) at one thread-local read. The helpers keep cydriver's
+    # exception value, so a missing driver still raises instead of reading as success.
+
+    cdef cydriver.CUresult _enter(self, cydriver.CUcontext* prev) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+        cdef cydriver.CUresult r = cydriver.cuCtxGetCurrent(prev)
+        if r == cydriver.CUDA_SUCCESS and prev[0] != self._ctx:
+            r = cydriver.cuCtxSetCurrent(self._ctx)
+        return r
+
+    cdef cydriver.CUresult _leave(self, cydriver.CUcontext prev) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+        if prev != self._ctx:
+            return cydriver.cuCtxSetCurrent(prev)
+        return cydriver.CUDA_SUCCESS
 
     # ---------------------------------------------------------------- segments
 
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUcontext ctx = self._ctx
         cdef cydriver.CUdeviceptr dptr = 0
-        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
         with nogil:
-            r_get = cydriver.cuCtxGetCurrent(&prev)
-            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
-                r_set = cydriver.cuCtxSetCurrent(ctx)
-            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuMemAlloc(&dptr, nbytes)
-                if prev != ctx:
-                    r_restore = cydriver.cuCtxSetCurrent(prev)
-        check(r_get, "cuCtxGetCurrent")
-        check(r_set, "cuCtxSetCurrent")
-        check(r_restore, "cuCtxSetCurrent")
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_leave, "cuCtxSetCurrent")
         if r_call == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
             return BACKEND_OOM
         check(r_call, "cuMemAlloc")
@@ -249,21 +255,15 @@ cdef class CudaDevice(Backend):
     cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUcontext ctx = self._ctx
-        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
         with nogil:
-            r_get = cydriver.cuCtxGetCurrent(&prev)
-            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
-                r_set = cydriver.cuCtxSetCurrent(ctx)
-            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuMemFree(<cydriver.CUdeviceptr>ptr)
-                if prev != ctx:
-                    r_restore = cydriver.cuCtxSetCurrent(prev)
-        check(r_get, "cuCtxGetCurrent")
-        check(r_set, "cuCtxSetCurrent")
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
         check(r_call, "cuMemFree")
-        check(r_restore, "cuCtxSetCurrent")
+        check(r_leave, "cuCtxSetCurrent")
         self.live_segments -= 1
         self.live_bytes -= nbytes
         return BACKEND_OK
@@ -271,21 +271,15 @@ cdef class CudaDevice(Backend):
     cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUcontext ctx = self._ctx
-        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
         with nogil:
-            r_get = cydriver.cuCtxGetCurrent(&prev)
-            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
-                r_set = cydriver.cuCtxSetCurrent(ctx)
-            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuMemGetInfo(free_bytes, total_bytes)
-                if prev != ctx:
-                    r_restore = cydriver.cuCtxSetCurrent(prev)
-        check(r_get, "cuCtxGetCurrent")
-        check(r_set, "cuCtxSetCurrent")
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
         check(r_call, "cuMemGetInfo")
-        check(r_restore, "cuCtxSetCurrent")
+        check(r_leave, "cuCtxSetCurrent")
         return BACKEND_OK
 
     def mem_get_info(self):
@@ -299,23 +293,17 @@ cdef class CudaDevice(Backend):
     cdef int event_create(self, uintptr_t* event) except -1:
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUcontext ctx = self._ctx
         cdef cydriver.CUevent ev = NULL
-        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
         with nogil:
-            r_get = cydriver.cuCtxGetCurrent(&prev)
-            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
-                r_set = cydriver.cuCtxSetCurrent(ctx)
-            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
                 # No timing: the allocator only asks "done yet?", and timing events cost more.
                 r_call = cydriver.cuEventCreate(&ev, cydriver.CU_EVENT_DISABLE_TIMING)
-                if prev != ctx:
-                    r_restore = cydriver.cuCtxSetCurrent(prev)
-        check(r_get, "cuCtxGetCurrent")
-        check(r_set, "cuCtxSetCurrent")
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
         check(r_call, "cuEventCreate")
-        check(r_restore, "cuCtxSetCurrent")
+        check(r_leave, "cuCtxSetCurrent")
         event[0] = <uintptr_t>ev
         return BACKEND_OK
 
@@ -324,21 +312,15 @@ cdef class CudaDevice(Backend):
         # current context's" default stream.
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUcontext ctx = self._ctx
-        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
         with nogil:
-            r_get = cydriver.cuCtxGetCurrent(&prev)
-            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
-                r_set = cydriver.cuCtxSetCurrent(ctx)
-            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuEventRecord(<cydriver.CUevent>event, <cydriver.CUstream>stream)
-                if prev != ctx:
-                    r_restore = cydriver.cuCtxSetCurrent(prev)
-        check(r_get, "cuCtxGetCurrent")
-        check(r_set, "cuCtxSetCurrent")
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
         check(r_call, "cuEventRecord")
-        check(r_restore, "cuCtxSetCurrent")
+        check(r_leave, "cuCtxSetCurrent")
         return BACKEND_OK
 
     cdef int event_query(self, uintptr_t event) except -1:
@@ -367,21 +349,15 @@ cdef class CudaDevice(Backend):
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUcontext ctx = self._ctx
-        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
         with nogil:
-            r_get = cydriver.cuCtxGetCurrent(&prev)
-            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
-                r_set = cydriver.cuCtxSetCurrent(ctx)
-            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuStreamSynchronize(<cydriver.CUstream>stream)
-                if prev != ctx:
-                    r_restore = cydriver.cuCtxSetCurrent(prev)
-        check(r_get, "cuCtxGetCurrent")
-        check(r_set, "cuCtxSetCurrent")
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
         check(r_call, "cuStreamSynchronize")
-        check(r_restore, "cuCtxSetCurrent")
+        check(r_leave, "cuCtxSetCurrent")
         return BACKEND_OK
 
     cdef int device_synchronize(self) except -1:
@@ -392,21 +368,15 @@ cdef class CudaDevice(Backend):
         """Wait for all work on the device (cuCtxSynchronize on its primary context)."""
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUcontext ctx = self._ctx
-        cdef cydriver.CUresult r_get, r_set = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_restore = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
         with nogil:
-            r_get = cydriver.cuCtxGetCurrent(&prev)
-            if r_get == cydriver.CUDA_SUCCESS and prev != ctx:
-                r_set = cydriver.cuCtxSetCurrent(ctx)
-            if r_get == cydriver.CUDA_SUCCESS and r_set == cydriver.CUDA_SUCCESS:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuCtxSynchronize()
-                if prev != ctx:
-                    r_restore = cydriver.cuCtxSetCurrent(prev)
-        check(r_get, "cuCtxGetCurrent")
-        check(r_set, "cuCtxSetCurrent")
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
         check(r_call, "cuCtxSynchronize")
-        check(r_restore, "cuCtxSetCurrent")
+        check(r_leave, "cuCtxSetCurrent")
 
     # Python-level access to the event calls, for tests and tools (the core uses the cdef ones).
 
