@@ -1326,8 +1326,10 @@ cdef class DeviceCachingAllocator:
         Raises OutOfMemoryError when neither the cache nor the device can provide the memory,
         TypeError/ValueError for a bad size or stream (state unchanged).
         """
-        cdef size_t size = request_size(nbytes)
-        cdef uintptr_t s = stream_handle(stream)
+        return self._allocate(request_size(nbytes), stream_handle(stream))
+
+    cdef uintptr_t _allocate(self, size_t size, uintptr_t stream) except? 0:
+        """malloc for validated arguments: the path shared by malloc() and Buffer."""
         if size == 0:
             return 0
         cdef uint32_t context_id = 0
@@ -1337,7 +1339,7 @@ cdef class DeviceCachingAllocator:
         cdef int rc
         self._lock()
         try:
-            rc = self._malloc(size, s, context_id, &b)
+            rc = self._malloc(size, stream, context_id, &b)
         finally:
             self._unlock()
         if rc == BACKEND_OOM:
@@ -1379,9 +1381,12 @@ cdef class DeviceCachingAllocator:
 
         Raises ValueError for a pointer this allocator did not hand out or already freed.
         """
-        cdef uintptr_t p = device_pointer(ptr)
+        self._release(device_pointer(ptr))
+
+    cdef int _release(self, uintptr_t p) except -1:
+        """free for a validated pointer: the path shared by free() and Buffer."""
         if p == 0:
-            return
+            return 0
         cdef Block* b
         # The free call site is captured outside the lock (it runs Python), and only when
         # history asks for it (context="all"): one C test otherwise.
@@ -1394,6 +1399,7 @@ cdef class DeviceCachingAllocator:
             self._free(b, context_id)
         finally:
             self._unlock()
+        return 0
 
     cdef int _free(self, Block* b, uint32_t context_id) except -1:
         # Events first: if recording one fails, _insert_events undoes its work and the block is
@@ -1924,7 +1930,7 @@ cdef class Buffer:
         self.allocator = allocator
         self.size = request_size(nbytes)
         self.stream = stream_handle(stream)
-        self.ptr = allocator.malloc(self.size, self.stream)
+        self.ptr = allocator._allocate(self.size, self.stream)
 
     @property
     def device(self):
@@ -1939,7 +1945,7 @@ cdef class Buffer:
         cdef uintptr_t p = self.ptr
         if p:
             self.ptr = 0
-            self.allocator.free(p)
+            self.allocator._release(p)
 
     def __enter__(self):
         return self
@@ -1956,7 +1962,7 @@ cdef class Buffer:
 
     def __dealloc__(self):
         if self.ptr and self.allocator is not None:
-            self.allocator.free(self.ptr)
+            self.allocator._release(self.ptr)
 
 
 # ------------------------------------------------------------------------------- trace scan

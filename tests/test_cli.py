@@ -267,9 +267,11 @@ def test_replay_device_memory_accepts_units(capsys, tmp_path):
     assert data["num_ooms"] == 10 - 200_000_000 // (30 * MiB) == 4
 
 
-def test_python_dash_m_pyalloc_runs_replay(trace_file):
+def test_python_dash_m_pyalloc_runs_replay(trace_file, tmp_path):
+    # Run outside the source tree: with `-m`, the current directory comes first on sys.path and
+    # a checkout's pyalloc/ (no compiled modules) would shadow the installed package.
     proc = subprocess.run([sys.executable, "-m", "pyalloc", "replay", trace_file, "--json"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["peak_reserved"] == replay(trace_file).peak_reserved
