@@ -157,6 +157,8 @@ cdef class CudaDevice(Backend):
     # Expandable segments: physical allocation handle of each mapped page, by page address.
     cdef unordered_map[uintptr_t, cydriver.CUmemGenericAllocationHandle] _page_handles
     cdef readonly size_t mapped_bytes          # bytes currently mapped through vm_map
+    cdef vector[int] _peers                    # devices that can access this one's memory
+    cdef bint _peers_known
 
     def __init__(self, int device=0):
         cdef cydriver.CUdevice dev = 0
@@ -407,6 +409,27 @@ cdef class CudaDevice(Backend):
         prop.location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = self.device
 
+    cdef int _find_peers(self) except -1:
+        """The other devices that can access this device's memory (cuDeviceCanAccessPeer), once."""
+        if self._peers_known:
+            return 0
+        cdef cydriver.CUdevice other = 0
+        cdef int can = 0
+        for d in range(_device_count):
+            if d == self.device:
+                continue
+            check(cydriver.cuDeviceGet(&other, d), "cuDeviceGet")
+            check(cydriver.cuDeviceCanAccessPeer(&can, other, self._cudevice), "cuDeviceCanAccessPeer")
+            if can:
+                self._peers.push_back(d)
+        self._peers_known = True
+        return 0
+
+    def peers(self):
+        """Devices given access to this device's expandable-segment memory."""
+        self._find_peers()
+        return list(self._peers)
+
     cdef int vm_granularity(self, size_t* nbytes) except -1:
         self._check_open()
         cdef cydriver.CUmemAllocationProp prop
@@ -443,11 +466,17 @@ cdef class CudaDevice(Backend):
             raise ValueError(f"vm_map of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
         cdef cydriver.CUmemAllocationProp prop
         self._allocation_prop(&prop)
-        cdef cydriver.CUmemAccessDesc access
-        memset(&access, 0, sizeof(access))
-        access.location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = self.device
-        access.flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        # Read/write access for this device and for every peer that can reach it, so that copies
+        # and kernels on other GPUs work on expandable memory as they do on cuMemAlloc memory.
+        self._find_peers()
+        cdef vector[cydriver.CUmemAccessDesc] access
+        access.resize(1 + self._peers.size())
+        memset(access.data(), 0, access.size() * sizeof(cydriver.CUmemAccessDesc))
+        cdef size_t k
+        for k in range(access.size()):
+            access[k].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
+            access[k].location.id = self.device if k == 0 else self._peers[k - 1]
+            access[k].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         cdef size_t count = nbytes // page
         cdef vector[cydriver.CUmemGenericAllocationHandle] handles
         handles.resize(count)
@@ -468,7 +497,7 @@ cdef class CudaDevice(Backend):
                         break
                     mapped += 1
             if mapped == count:
-                r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>addr, nbytes, &access, 1)
+                r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>addr, nbytes, access.data(), access.size())
             if r_access != cydriver.CUDA_SUCCESS or mapped != count:
                 # Undo this call's work so that a failure leaves nothing half mapped.
                 for i in range(mapped):

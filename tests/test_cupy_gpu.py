@@ -5,7 +5,6 @@ checked by data: results computed on the GPU over pyalloc memory against NumPy o
 computation on CuPy's own pool.
 """
 import ctypes
-import os
 
 import numpy as np
 import pytest
@@ -142,10 +141,6 @@ def test_one_allocator_per_visible_device_under_cupy():
 
 
 @pytest.mark.skipif(cuda_backend.device_count() < 2, reason="needs two visible GPUs")
-@pytest.mark.xfail(
-    "expandable_segments:True" in os.environ.get("PYALLOC_CONF", ""), strict=True,
-    reason="known limitation: pages of expandable segments are mapped for their own device only "
-           "(no peer access yet), so a peer copy into them fails with cudaErrorInvalidValue")
 def test_two_gpus_arrays_on_both_devices_compute_and_free():
     pc.install()
     with cp.cuda.Device(1):

@@ -100,3 +100,17 @@ def test_out_of_memory_while_mapping_raises_and_allocator_stays_usable(alloc):
     view(p, 20 * MiB, alloc)[...] = 3
     alloc.free(p)
     alloc._check_invariants()
+
+
+@pytest.mark.skipif(cuda_backend.device_count() < 2, reason="needs two visible GPUs")
+def test_peer_device_can_copy_into_expandable_memory(alloc):
+    assert 1 in alloc.backend.peers()
+    p = alloc.malloc(20 * MiB)
+    dst = view(p, 20 * MiB, alloc)
+    with cp.cuda.Device(1):
+        src = cp.full(dst.size, 5, dtype=cp.uint32)
+        dst.data.copy_from_device(src.data, 20 * MiB)    # a peer copy into device 0's mapping
+        cp.cuda.Device(1).synchronize()
+    assert int((dst == 5).sum()) == dst.size
+    del dst
+    alloc.free(p)
