@@ -227,6 +227,25 @@ cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
     s.freed += amount
 
 
+# One statistic's row is [all, small_pool, large_pool]; every change goes to "all" and one pool.
+# Module-level inline functions rather than methods: a cdef method of a class that Python code
+# subclasses is called through its vtable and cannot be inlined, and these run ~10 times per pair.
+
+cdef inline void stat_pool(Stat* row, BlockPool* pool, int64_t delta) noexcept nogil:
+    stat_add(&row[0], delta)
+    stat_add(&row[1 if pool.is_small else 2], delta)
+
+
+cdef inline void stat_up(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
+    stat_increase(&row[0], amount)
+    stat_increase(&row[pool_slot], amount)
+
+
+cdef inline void stat_down(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
+    stat_decrease(&row[0], amount)
+    stat_decrease(&row[pool_slot], amount)
+
+
 cdef inline int floor_log2(size_t x) noexcept nogil:
     return 63 - __builtin_clzll(x)
 
@@ -255,6 +274,18 @@ cdef inline size_t reservation_size(size_t total_bytes, size_t page) noexcept no
 def expandable_reservation_size(size_t total_bytes, bint small_pool):
     """Bytes of address space one expandable segment reserves on a device of `total_bytes`."""
     return reservation_size(total_bytes, kSmallBuffer if small_pool else kLargeBuffer)
+
+
+cdef inline bint mergeable(Block* b, Block* neighbour) noexcept nogil:
+    """True when `neighbour` of `b` is a free block that may absorb or be absorbed by it."""
+    return (neighbour != NULL and not neighbour.allocated and neighbour.event_count == 0
+            and neighbour.stream_uses.empty() and neighbour.mapped == b.mapped)
+
+
+cdef inline void pool_insert(BlockPool* pool, Block* b) noexcept nogil:
+    # Every (re)insertion restarts the block's garbage-collection age.
+    b.gc_count_base = pool.get_free_blocks_call_count
+    pool.blocks.insert(b)
 
 
 cdef inline bint is_free(Block* b) noexcept nogil:
@@ -448,13 +479,7 @@ cdef class DeviceCachingAllocator:
 
     # ------------------------------------------------------------------------- lock
 
-    cdef inline void _lock(self) noexcept:
-        if not self.mutex.try_lock():
-            with nogil:
-                self.mutex.lock()
-
-    cdef inline void _unlock(self) noexcept:
-        self.mutex.unlock()
+    # Taken by lock_allocator() and released with self.mutex.unlock(), both inlined (see there).
 
     # ------------------------------------------------------------------------- settings
 
@@ -474,14 +499,14 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             divs[i] = divisions[i]
         cdef bint expandable = settings.expandable_segments
-        self._lock()
+        lock_allocator(self)
         self.max_split_size = max_split
         self.max_non_split_rounding_size = non_split
         self.gc_threshold = gc
         for i in range(16):
             self.roundup_divisions[i] = divs[i]
         self.expandable_segments = expandable
-        self._unlock()
+        self.mutex.unlock()
 
     def _init_stat_max_split_size(self):
         # PyTorch reports max_split_size as it was when the device allocator was created.
@@ -498,13 +523,13 @@ cdef class DeviceCachingAllocator:
         if not (0.0 <= f <= 1.0):
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
         cdef size_t free_bytes, total_bytes
-        self._lock()
+        lock_allocator(self)
         try:
             self.backend.memory_info(&free_bytes, &total_bytes)
             self.memory_fraction = f
             self.allowed_memory_maximum = <size_t>(f * <double>total_bytes) if f < 1.0 else 0
         finally:
-            self._unlock()
+            self.mutex.unlock()
 
     def get_memory_fraction(self):
         """The fraction last set with set_memory_fraction (1.0 when none)."""
@@ -512,7 +537,7 @@ cdef class DeviceCachingAllocator:
 
     # ------------------------------------------------------------------------- blocks
 
-    cdef Block* _new_block(self, uintptr_t stream, size_t size, BlockPool* pool, uintptr_t ptr) noexcept:
+    cdef inline Block* _new_block(self, uintptr_t stream, size_t size, BlockPool* pool, uintptr_t ptr) noexcept:
         cdef Block* b
         if self.spare_blocks.empty():
             b = new Block()
@@ -538,25 +563,7 @@ cdef class DeviceCachingAllocator:
         b.segment_context_id = 0
         return b
 
-    cdef inline void _delete_block(self, Block* b) noexcept:
-        self.spare_blocks.push_back(b)
 
-    cdef inline void _pool_insert(self, BlockPool* pool, Block* b) noexcept:
-        # Every (re)insertion restarts the block's garbage-collection age.
-        b.gc_count_base = pool.get_free_blocks_call_count
-        pool.blocks.insert(b)
-
-    cdef inline void _stat(self, int kind, BlockPool* pool, int64_t delta) noexcept:
-        stat_add(&self.stats[kind][0], delta)
-        stat_add(&self.stats[kind][1 if pool.is_small else 2], delta)
-
-    cdef inline void _stat_up(self, int kind, int pool_slot, int64_t amount) noexcept:
-        stat_increase(&self.stats[kind][0], amount)
-        stat_increase(&self.stats[kind][pool_slot], amount)
-
-    cdef inline void _stat_down(self, int kind, int pool_slot, int64_t amount) noexcept:
-        stat_decrease(&self.stats[kind][0], amount)
-        stat_decrease(&self.stats[kind][pool_slot], amount)
 
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream,
                             uint32_t context_id) noexcept:
@@ -599,7 +606,7 @@ cdef class DeviceCachingAllocator:
     cdef inline bint _gc_enabled(self) noexcept:
         return self.allowed_memory_maximum != 0 and self.gc_threshold > 0.0
 
-    cdef Block* _get_free_block(self, BlockPool* pool, uintptr_t stream, size_t size) noexcept:
+    cdef inline Block* _get_free_block(self, BlockPool* pool, uintptr_t stream, size_t size) noexcept:
         """Best fit: the smallest free block of `stream` that fits, subject to the oversize rules.
 
         The block stays in its pool: _alloc_found_block either re-sorts it (split) or removes it.
@@ -646,7 +653,7 @@ cdef class DeviceCachingAllocator:
             return remaining >= kMinBlockSize
         return size < self.max_split_size and remaining > kSmallSize
 
-    cdef Block* _alloc_found_block(self, Block* b, bint in_pool, size_t orig_size,
+    cdef inline Block* _alloc_found_block(self, Block* b, bint in_pool, size_t orig_size,
                                    size_t size, uint32_t context_id) noexcept:
         """Hand out `b`, splitting off the unused tail if worth it.
 
@@ -681,16 +688,16 @@ cdef class DeviceCachingAllocator:
                 pool.blocks.insert(remaining)
             if not b.expandable:
                 if already_split:
-                    self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
+                    stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, -<int64_t>b.size)
                 else:
-                    self._stat(ST_INACTIVE_SPLIT, pool, 1)
-                    self._stat(ST_INACTIVE_SPLIT_BYTES, pool, <int64_t>remaining.size)
+                    stat_pool(self.stats[ST_INACTIVE_SPLIT], pool, 1)
+                    stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, <int64_t>remaining.size)
         else:
             if in_pool:
                 pool.blocks.erase(b)
             if already_split and not b.expandable:
-                self._stat(ST_INACTIVE_SPLIT, pool, -1)
-                self._stat(ST_INACTIVE_SPLIT_BYTES, pool, -<int64_t>b.size)
+                stat_pool(self.stats[ST_INACTIVE_SPLIT], pool, -1)
+                stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, -<int64_t>b.size)
 
         b.allocated = True
         b.requested_size = orig_size
@@ -698,22 +705,18 @@ cdef class DeviceCachingAllocator:
         b.context_id = context_id
         self.active_blocks.insert(b.ptr, b)
         cdef int slot = 1 if pool.is_small else 2
-        self._stat_up(ST_ALLOCATION, slot, 1)
-        self._stat_up(ST_ALLOCATED_BYTES, slot, <int64_t>b.size)
-        self._stat_up(ST_ACTIVE, slot, 1)
-        self._stat_up(ST_ACTIVE_BYTES, slot, <int64_t>b.size)
-        self._stat_up(ST_REQUESTED_BYTES, slot, <int64_t>orig_size)
+        stat_up(self.stats[ST_ALLOCATION], slot, 1)
+        stat_up(self.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
+        stat_up(self.stats[ST_ACTIVE], slot, 1)
+        stat_up(self.stats[ST_ACTIVE_BYTES], slot, <int64_t>b.size)
+        stat_up(self.stats[ST_REQUESTED_BYTES], slot, <int64_t>orig_size)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, 1)
-        self._trace(TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
+        if self.history_on: self._trace(TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
         return b
 
-    cdef inline bint _mergeable(self, Block* b, Block* neighbour) noexcept:
-        """True when `neighbour` of `b` is a free block that may absorb or be absorbed by it."""
-        return (neighbour != NULL and not neighbour.allocated and neighbour.event_count == 0
-                and neighbour.stream_uses.empty() and neighbour.mapped == b.mapped)
 
-    cdef void _free_block(self, Block* b, uint32_t context_id) noexcept:
+    cdef inline void _free_block(self, Block* b, uint32_t context_id) noexcept:
         """Return a block whose uses are all over to its pool, merging with free neighbours.
 
         Free neighbours are already in the pool. The merged range is kept in one of their Block
@@ -722,15 +725,15 @@ cdef class DeviceCachingAllocator:
         `context_id` is the stack of the free() call that completes it (0: the trace entry
         carries the block's allocation stack instead, as PyTorch's does).
         """
-        self._trace(TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream,
+        if self.history_on: self._trace(TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream,
                     context_id if context_id else b.context_id)
         cdef BlockPool* pool = b.pool
         cdef size_t original_size = b.size
         cdef size_t requested = b.requested_size
         cdef int64_t split_blocks_delta = 0
         cdef int64_t split_bytes_delta = 0
-        cdef Block* prev = b.prev if self._mergeable(b, b.prev) else NULL
-        cdef Block* next = b.next if self._mergeable(b, b.next) else NULL
+        cdef Block* prev = b.prev if mergeable(b, b.prev) else NULL
+        cdef Block* next = b.next if mergeable(b, b.next) else NULL
         cdef Block* merged
         self.active_blocks.erase(b.ptr)
         if prev == NULL and next == NULL:
@@ -738,7 +741,7 @@ cdef class DeviceCachingAllocator:
             b.context_id = 0
             b.metadata_id = 0
             b.requested_size = 0
-            self._pool_insert(pool, b)
+            pool_insert(pool, b)
         else:
             merged = prev if prev != NULL else next
             if prev != NULL and next != NULL:
@@ -769,20 +772,20 @@ cdef class DeviceCachingAllocator:
                     prev.next.prev = prev
                 split_blocks_delta -= 1
                 split_bytes_delta -= <int64_t>next.size
-                self._delete_block(next)
-            self._delete_block(b)
+                self.spare_blocks.push_back(next)
+            self.spare_blocks.push_back(b)
             merged.gc_count_base = pool.get_free_blocks_call_count
             pool.blocks.reposition(merged)
         if merged.is_split():
             split_blocks_delta += 1
             split_bytes_delta += <int64_t>merged.size
         if not merged.expandable:
-            self._stat(ST_INACTIVE_SPLIT, pool, split_blocks_delta)
-            self._stat(ST_INACTIVE_SPLIT_BYTES, pool, split_bytes_delta)
+            stat_pool(self.stats[ST_INACTIVE_SPLIT], pool, split_blocks_delta)
+            stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, split_bytes_delta)
         cdef int slot = 1 if pool.is_small else 2
-        self._stat_down(ST_ACTIVE, slot, 1)
-        self._stat_down(ST_ACTIVE_BYTES, slot, <int64_t>original_size)
-        self._stat_down(ST_REQUESTED_BYTES, slot, <int64_t>requested)
+        stat_down(self.stats[ST_ACTIVE], slot, 1)
+        stat_down(self.stats[ST_ACTIVE_BYTES], slot, <int64_t>original_size)
+        stat_down(self.stats[ST_REQUESTED_BYTES], slot, <int64_t>requested)
 
     # ------------------------------------------------------------------------- events
 
@@ -882,12 +885,12 @@ cdef class DeviceCachingAllocator:
             return BACKEND_OOM
         self.total_allocated_memory += alloc_size
         cdef Block* b = self._new_block(stream, alloc_size, pool, ptr)
-        self._stat(ST_SEGMENT, pool, 1)
-        self._stat(ST_RESERVED_BYTES, pool, <int64_t>alloc_size)
+        stat_pool(self.stats[ST_SEGMENT], pool, 1)
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool, <int64_t>alloc_size)
         if alloc_size >= self.max_split_size:
             stat_add(&self.oversize_segments, 1)
         self.num_device_alloc += 1
-        self._trace(TR_SEGMENT_ALLOC, ptr, alloc_size, stream, context_id)
+        if self.history_on: self._trace(TR_SEGMENT_ALLOC, ptr, alloc_size, stream, context_id)
         out[0] = b
         return 0
 
@@ -896,14 +899,14 @@ cdef class DeviceCachingAllocator:
         self.backend.segment_free(b.ptr, b.size)
         self.total_allocated_memory -= b.size
         cdef BlockPool* pool = b.pool
-        self._stat(ST_SEGMENT, pool, -1)
-        self._stat(ST_RESERVED_BYTES, pool, -<int64_t>b.size)
+        stat_pool(self.stats[ST_SEGMENT], pool, -1)
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool, -<int64_t>b.size)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_segments, -1)
         self.num_device_free += 1
-        self._trace(TR_SEGMENT_FREE, b.ptr, b.size, b.stream, 0)
+        if self.history_on: self._trace(TR_SEGMENT_FREE, b.ptr, b.size, b.stream, 0)
         pool.blocks.erase(b)
-        self._delete_block(b)
+        self.spare_blocks.push_back(b)
         return 0
 
     cdef int _release_blocks(self, BlockPool* pool) except -1:
@@ -951,7 +954,7 @@ cdef class DeviceCachingAllocator:
             dst.pool.blocks.erase(src)
         else:
             dst.pool.unmapped.erase(src)
-        self._delete_block(src)
+        self.spare_blocks.push_back(src)
         return dst.size
 
     cdef Block* _find_expandable_block(self, BlockPool* pool, uintptr_t stream, size_t size) except NULL:
@@ -1029,11 +1032,11 @@ cdef class DeviceCachingAllocator:
         cdef uintptr_t mapped_at = to_map.ptr
         self._merge_into(to_map, to_map.prev)
         self._merge_into(to_map, to_map.next)
-        self._pool_insert(pool, to_map)
+        pool_insert(pool, to_map)
         self.total_allocated_memory += mapped
-        self._stat(ST_RESERVED_BYTES, pool, <int64_t>mapped)
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool, <int64_t>mapped)
         self.num_device_alloc += 1
-        self._trace(TR_SEGMENT_MAP, mapped_at, mapped, to_map.stream, 0)
+        if self.history_on: self._trace(TR_SEGMENT_MAP, mapped_at, mapped, to_map.stream, 0)
         return 1
 
     cdef int _try_allocate_expandable_block(self, BlockPool* pool, uintptr_t stream, size_t size,
@@ -1083,7 +1086,7 @@ cdef class DeviceCachingAllocator:
                 piece.prev.next = piece
             piece.next = b
             b.prev = piece
-            self._pool_insert(pool, piece)
+            pool_insert(pool, piece)
         if b.ptr + b.size > last:
             piece = self._new_block(b.stream, b.ptr + b.size - last, pool, last)
             piece.expandable = True
@@ -1093,7 +1096,7 @@ cdef class DeviceCachingAllocator:
                 piece.next.prev = piece
             piece.prev = b
             b.next = piece
-            self._pool_insert(pool, piece)
+            pool_insert(pool, piece)
         b.ptr = first
         b.size = last - first
         b.mapped = False
@@ -1101,9 +1104,9 @@ cdef class DeviceCachingAllocator:
         self._merge_into(b, b.next)
         pool.unmapped.insert(b)
         self.total_allocated_memory -= last - first
-        self._stat(ST_RESERVED_BYTES, pool, -<int64_t>(last - first))
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool, -<int64_t>(last - first))
         self.num_device_free += 1
-        self._trace(TR_SEGMENT_UNMAP, first, last - first, b.stream, 0)
+        if self.history_on: self._trace(TR_SEGMENT_UNMAP, first, last - first, b.stream, 0)
         if b.prev == NULL and b.next == NULL:
             # Nothing of the segment is mapped any more: give the address space back.
             pool.unmapped.erase(b)
@@ -1114,7 +1117,7 @@ cdef class DeviceCachingAllocator:
                     self.expandable_segments_list.pop_back()
                     break
             free_segment_struct(seg)
-            self._delete_block(b)
+            self.spare_blocks.push_back(b)
         return 0
 
     def expandable_segment_sizes(self):
@@ -1124,7 +1127,7 @@ cdef class DeviceCachingAllocator:
         cdef ExpandableSegment* seg
         cdef Block* b
         out = []
-        self._lock()
+        lock_allocator(self)
         try:
             self._collect_blocks(&blocks)
             mapped = {}
@@ -1136,7 +1139,7 @@ cdef class DeviceCachingAllocator:
                 seg = self.expandable_segments_list[i]
                 out.append((seg.stream, seg.pool.is_small, mapped.get(<uintptr_t>seg, 0)))
         finally:
-            self._unlock()
+            self.mutex.unlock()
         return out
 
     def warm_up(self, sizes):
@@ -1160,7 +1163,7 @@ cdef class DeviceCachingAllocator:
         cdef size_t have
         for stream, is_small, nbytes in plan:
             pool = self.small_blocks if is_small else self.large_blocks
-            self._lock()
+            lock_allocator(self)
             try:
                 have = self._mapped_bytes(pool, stream)
                 if nbytes > have:
@@ -1168,12 +1171,12 @@ cdef class DeviceCachingAllocator:
                         self._record_oom(nbytes - have, nbytes - have, stream, 0)
                         rc = BACKEND_OOM
                     else:
-                        self._pool_insert(pool, b)
+                        pool_insert(pool, b)
                         rc = 0
                 else:
                     rc = 0
             finally:
-                self._unlock()
+                self.mutex.unlock()
             if rc == BACKEND_OOM:
                 self._raise_oom(nbytes - have)
 
@@ -1276,7 +1279,7 @@ cdef class DeviceCachingAllocator:
 
     # ------------------------------------------------------------------------- malloc / free
 
-    cdef int _malloc(self, size_t orig_size, uintptr_t stream, uint32_t context_id,
+    cdef inline int _malloc(self, size_t orig_size, uintptr_t stream, uint32_t context_id,
                      Block** out) except -1:
         """Find or make a block for `orig_size` bytes on `stream`. Caller holds the lock.
 
@@ -1313,7 +1316,7 @@ cdef class DeviceCachingAllocator:
         self.backend.memory_info(&free_bytes, &total_bytes)
         # PyTorch's oom entry: device free bytes in addr, the rounded request (not the segment
         # size) in size, and the failing call's stream and stack.
-        self._trace(TR_OOM, free_bytes, rounded, stream, context_id)
+        if self.history_on: self._trace(TR_OOM, free_bytes, rounded, stream, context_id)
         self.num_ooms += 1
         self.oom_alloc_size = alloc_size
         self.oom_free = free_bytes
@@ -1328,7 +1331,7 @@ cdef class DeviceCachingAllocator:
         """
         return self._allocate(request_size(nbytes), stream_handle(stream))
 
-    cdef uintptr_t _allocate(self, size_t size, uintptr_t stream) except? 0:
+    cdef inline uintptr_t _allocate(self, size_t size, uintptr_t stream) except? 0:
         """malloc for validated arguments: the path shared by malloc() and Buffer."""
         if size == 0:
             return 0
@@ -1337,11 +1340,11 @@ cdef class DeviceCachingAllocator:
             context_id = self.context_recorder()
         cdef Block* b = NULL
         cdef int rc
-        self._lock()
+        lock_allocator(self)
         try:
             rc = self._malloc(size, stream, context_id, &b)
         finally:
-            self._unlock()
+            self.mutex.unlock()
         if rc == BACKEND_OOM:
             self._raise_oom(size)
         return b.ptr
@@ -1368,7 +1371,7 @@ cdef class DeviceCachingAllocator:
             total=self.oom_total, free=self.oom_free, allocated=allocated,
             reserved_unallocated=reserved - allocated, allowed=self.allowed_memory_maximum or None)
 
-    cdef Block* _lookup_allocated(self, uintptr_t ptr) except NULL:
+    cdef inline Block* _lookup_allocated(self, uintptr_t ptr) except NULL:
         cdef Block* b = self.active_blocks.get(ptr)
         if b == NULL:
             raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
@@ -1383,7 +1386,7 @@ cdef class DeviceCachingAllocator:
         """
         self._release(device_pointer(ptr))
 
-    cdef int _release(self, uintptr_t p) except -1:
+    cdef inline int _release(self, uintptr_t p) except -1:
         """free for a validated pointer: the path shared by free() and Buffer."""
         if p == 0:
             return 0
@@ -1393,15 +1396,15 @@ cdef class DeviceCachingAllocator:
         cdef uint32_t context_id = 0
         if self.capture_free_stacks:
             context_id = self.context_recorder()
-        self._lock()
+        lock_allocator(self)
         try:
             b = self._lookup_allocated(p)
             self._free(b, context_id)
         finally:
-            self._unlock()
+            self.mutex.unlock()
         return 0
 
-    cdef int _free(self, Block* b, uint32_t context_id) except -1:
+    cdef inline int _free(self, Block* b, uint32_t context_id) except -1:
         # Events first: if recording one fails, _insert_events undoes its work and the block is
         # still allocated, so the caller's free simply did not happen.
         cdef bint wait_for_streams = not b.stream_uses.empty()
@@ -1410,9 +1413,9 @@ cdef class DeviceCachingAllocator:
         b.allocated = False
         cdef BlockPool* pool = b.pool
         cdef int slot = 1 if pool.is_small else 2
-        self._stat_down(ST_ALLOCATION, slot, 1)
-        self._stat_down(ST_ALLOCATED_BYTES, slot, <int64_t>b.size)
-        self._trace(TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream,
+        stat_down(self.stats[ST_ALLOCATION], slot, 1)
+        stat_down(self.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
+        if self.history_on: self._trace(TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream,
                     context_id if context_id else b.context_id)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_allocations, -1)
@@ -1432,7 +1435,7 @@ cdef class DeviceCachingAllocator:
             return
         cdef Block* b
         cdef uintptr_t used
-        self._lock()
+        lock_allocator(self)
         try:
             b = self._lookup_allocated(p)
             if s != b.stream:
@@ -1442,23 +1445,23 @@ cdef class DeviceCachingAllocator:
                 else:
                     b.stream_uses.push_back(s)
         finally:
-            self._unlock()
+            self.mutex.unlock()
 
     def empty_cache(self):
         """Release every cached segment that holds no live block back to the device."""
-        self._lock()
+        lock_allocator(self)
         try:
             self._release_cached_blocks()
         finally:
-            self._unlock()
+            self.mutex.unlock()
 
     def process_events(self):
         """Poll outstanding cross-stream events now (malloc does this on its own)."""
-        self._lock()
+        lock_allocator(self)
         try:
             self._process_events()
         finally:
-            self._unlock()
+            self.mutex.unlock()
 
     def _noop(self):
         """An empty method: the call-overhead floor the benchmarks compare against."""
@@ -1485,7 +1488,7 @@ cdef class DeviceCachingAllocator:
         """
         out = {}
         cdef Stat s
-        self._lock()
+        lock_allocator(self)
         try:
             for k in range(NUM_STATS):
                 for p in range(3):
@@ -1508,7 +1511,7 @@ cdef class DeviceCachingAllocator:
             out["num_device_free"] = self.num_device_free
             out["max_split_size"] = -1 if self.stat_max_split_size == SIZE_MAX_VALUE else self.stat_max_split_size
         finally:
-            self._unlock()
+            self.mutex.unlock()
         return dict(sorted(out.items()))
 
     def memory_allocated(self):
@@ -1529,17 +1532,17 @@ cdef class DeviceCachingAllocator:
 
     def reset_peak_memory_stats(self):
         """Set every statistic's peak to its current value."""
-        self._lock()
+        lock_allocator(self)
         for k in range(NUM_STATS):
             for p in range(3):
                 self.stats[k][p].peak = self.stats[k][p].current
         self.oversize_allocations.peak = self.oversize_allocations.current
         self.oversize_segments.peak = self.oversize_segments.current
-        self._unlock()
+        self.mutex.unlock()
 
     def reset_accumulated_memory_stats(self):
         """Zero the cumulative allocated/freed counts and the retry/OOM/sync/device counters."""
-        self._lock()
+        lock_allocator(self)
         for k in range(NUM_STATS):
             for p in range(3):
                 self.stats[k][p].allocated = 0
@@ -1553,7 +1556,7 @@ cdef class DeviceCachingAllocator:
         self.num_sync_all_streams = 0
         self.num_device_alloc = 0
         self.num_device_free = 0
-        self._unlock()
+        self.mutex.unlock()
 
     # ------------------------------------------------------------------------- introspection
 
@@ -1588,7 +1591,7 @@ cdef class DeviceCachingAllocator:
         cdef Block* b
         cdef Block* head
         segments = []
-        self._lock()
+        lock_allocator(self)
         try:
             self._collect_blocks(&blocks)
             for head in blocks:
@@ -1621,7 +1624,7 @@ cdef class DeviceCachingAllocator:
                     segment["total_size"] += b.size
                     b = b.next
         finally:
-            self._unlock()
+            self.mutex.unlock()
         segments.sort(key=lambda s: s["address"])
         return segments
 
@@ -1642,7 +1645,7 @@ cdef class DeviceCachingAllocator:
         cdef vector[TraceEntry] kept
         cdef size_t n, start, i
         cdef uint64_t total
-        self._lock()
+        lock_allocator(self)
         try:
             if not enabled:
                 self.history.reset(0)
@@ -1661,7 +1664,7 @@ cdef class DeviceCachingAllocator:
             self.history_on = enabled
             self.skip_actions_mask = skip_mask
         finally:
-            self._unlock()
+            self.mutex.unlock()
 
     def _history_entries(self):
         """Trace entries oldest first as tuples
@@ -1669,7 +1672,7 @@ cdef class DeviceCachingAllocator:
         because the ring buffer wrapped."""
         cdef TraceEntry e
         cdef size_t n
-        self._lock()
+        lock_allocator(self)
         try:
             n = self.history.entries.size()
             out = []
@@ -1679,7 +1682,7 @@ cdef class DeviceCachingAllocator:
                             e.metadata_id, e.context_id))
             dropped = self.history.total - n
         finally:
-            self._unlock()
+            self.mutex.unlock()
         return out, dropped
 
     def _live_bytes_by_metadata(self, bint requested):
@@ -1690,21 +1693,21 @@ cdef class DeviceCachingAllocator:
         cdef vector[Block*] blocks
         cdef Block* b
         cdef unordered_map[uint32_t, size_t] sums
-        self._lock()
+        lock_allocator(self)
         try:
             self.active_blocks.values(&blocks)
             for b in blocks:
                 if b.allocated:
                     sums[b.metadata_id] += b.requested_size if requested else b.size
         finally:
-            self._unlock()
+            self.mutex.unlock()
         return {p.first: p.second for p in sums}
 
     def _record_snapshot_entry(self):
         """Add a `snapshot` trace entry (addr 0, size = active bytes), as taking a snapshot does."""
-        self._lock()
-        self._trace(TR_SNAPSHOT, 0, self.stats[ST_ACTIVE_BYTES][0].current, 0, 0)
-        self._unlock()
+        lock_allocator(self)
+        if self.history_on: self._trace(TR_SNAPSHOT, 0, self.stats[ST_ACTIVE_BYTES][0].current, 0, 0)
+        self.mutex.unlock()
 
     # ------------------------------------------------------------------------- invariants
 
@@ -1721,7 +1724,7 @@ cdef class DeviceCachingAllocator:
         for k in range(NUM_STATS):
             for p in range(3):
                 recount[k][p] = 0
-        self._lock()
+        lock_allocator(self)
         try:
             self._collect_blocks(&blocks)
             seen = set()
@@ -1784,7 +1787,7 @@ cdef class DeviceCachingAllocator:
             for i in range(2):
                 self._check_pool_order(self.small_blocks if i == 0 else self.large_blocks)
         finally:
-            self._unlock()
+            self.mutex.unlock()
 
 
     # ------------------------------------------------------------------------- trace replay
@@ -1832,7 +1835,7 @@ cdef class DeviceCachingAllocator:
         requested_name = "free_requested"
         # One lock for the whole replay: the allocator is the replay's own, and taking the lock
         # per event would cost more than many of the events.
-        self._lock()
+        lock_allocator(self)
         try:
             for i in range(n):
                 entry = entries[i]
@@ -1892,7 +1895,7 @@ cdef class DeviceCachingAllocator:
                 if progress is not None and i % progress_every == 0:
                     progress(i, n)
         finally:
-            self._unlock()
+            self.mutex.unlock()
         if progress is not None:
             progress(n, n)
         return allocations, matches, ooms, unknown
@@ -1909,6 +1912,15 @@ cdef class DeviceCachingAllocator:
             last = b
             inc(it)
         return 0
+
+
+cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
+    """Take the allocator's lock; wait for it with the GIL released (see the module docstring).
+
+    A module-level inline function: methods of a class Python subclasses go through a vtable."""
+    if not a.mutex.try_lock():
+        with nogil:
+            a.mutex.lock()
 
 
 # ------------------------------------------------------------------------------- Buffer
