@@ -324,7 +324,7 @@ cdef inline int64_t now_us() noexcept nogil:
 
 # ------------------------------------------------------------------------------- input checks
 
-cdef uintptr_t stream_handle(object stream) except? 0:
+cdef inline uintptr_t stream_handle(object stream) except? 0:
     """The integer handle of a stream given as an int or a stream object.
 
     Accepts ints (0 is the default stream), objects with `__cuda_stream__` (cuda.core's protocol,
@@ -357,7 +357,7 @@ cdef uintptr_t stream_handle(object stream) except? 0:
     return <uintptr_t>handle
 
 
-cdef uintptr_t device_pointer(object ptr) except? 0:
+cdef inline uintptr_t device_pointer(object ptr) except? 0:
     """Validate a device pointer: an int in [0, 2**64)."""
     cdef unsigned long long value
     if type(ptr) is not int:
@@ -371,7 +371,7 @@ cdef uintptr_t device_pointer(object ptr) except? 0:
     return <uintptr_t>value
 
 
-cdef size_t request_size(object nbytes) except? 0:
+cdef inline size_t request_size(object nbytes) except? 0:
     """Validate a requested size in bytes: an int in [0, 2**60)."""
     cdef long long value
     if type(nbytes) is int:
