@@ -1060,6 +1060,26 @@ cdef class DeviceCachingAllocator:
         out[0] = candidate
         return 0
 
+    cdef void _split_off_mapped(self, Block* b, uintptr_t ptr, size_t size, bint before) noexcept:
+        """Link a free mapped block for [ptr, ptr + size) just before or after b (same segment)
+        and put it in the pool; b's own range is the caller's to adjust."""
+        cdef Block* piece = self._new_block(b.stream, size, b.pool, ptr)
+        piece.expandable = True
+        piece.segment = b.segment
+        if before:
+            piece.prev = b.prev
+            piece.next = b
+            if b.prev != NULL:
+                b.prev.next = piece
+            b.prev = piece
+        else:
+            piece.next = b.next
+            piece.prev = b
+            if b.next != NULL:
+                b.next.prev = piece
+            b.next = piece
+        pool_insert(b.pool, piece)
+
     cdef int _unmap_block(self, Block* b) except -1:
         """Unmap the whole pages inside free expandable block `b`; partial pages stay mapped."""
         cdef ExpandableSegment* seg = b.segment
@@ -1076,27 +1096,11 @@ cdef class DeviceCachingAllocator:
         self.backend.vm_unmap(first, last - first, page)
         cdef BlockPool* pool = b.pool
         pool.blocks.erase(b)
-        cdef Block* piece
+        # Partial pages at either end stay mapped, as free blocks of their own.
         if first > b.ptr:
-            piece = self._new_block(b.stream, first - b.ptr, pool, b.ptr)
-            piece.expandable = True
-            piece.segment = seg
-            piece.prev = b.prev
-            if piece.prev != NULL:
-                piece.prev.next = piece
-            piece.next = b
-            b.prev = piece
-            pool_insert(pool, piece)
+            self._split_off_mapped(b, b.ptr, first - b.ptr, True)
         if b.ptr + b.size > last:
-            piece = self._new_block(b.stream, b.ptr + b.size - last, pool, last)
-            piece.expandable = True
-            piece.segment = seg
-            piece.next = b.next
-            if piece.next != NULL:
-                piece.next.prev = piece
-            piece.prev = b
-            b.next = piece
-            pool_insert(pool, piece)
+            self._split_off_mapped(b, last, b.ptr + b.size - last, False)
         b.ptr = first
         b.size = last - first
         b.mapped = False
