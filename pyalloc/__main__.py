@@ -171,9 +171,10 @@ def _check_config(config: str, what: str):
     return settings
 
 
-def _wrapped_warning(entries) -> None:
-    from pyalloc.replay import looks_wrapped
-    if looks_wrapped(entries):
+def _wrapped_warning(wrapped) -> None:
+    # The replay itself notices a wrapped trace (frees of blocks it never saw allocated), so the
+    # warning comes after it instead of costing a separate pass over the events.
+    if wrapped:
         _warn("the trace starts in the middle of the run (its ring buffer wrapped, or recording "
               "started late: it frees blocks it never saw allocated); the figures cover only the "
               "recorded window. Record with a larger max_entries to see the whole run.")
@@ -234,7 +235,6 @@ def _cmd_replay(args) -> int:
             same = False
         placement = "recorded" if same else "fresh"
     on_finish = _dump_writer(args.dump) if args.dump else None
-    _wrapped_warning(entries)
     device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
     with _Progress("replay", "ev") as bar:
         try:
@@ -247,6 +247,7 @@ def _cmd_replay(args) -> int:
             # trace's segment sequence does not fit this replay.
             raise CliError(f"replay at the trace's addresses failed ({err}); "
                            "try --placement fresh") from None
+    _wrapped_warning(result.wrapped)
     out = result.as_dict()
     out.update(trace=args.trace, device=args.device, device_memory=device_memory,
                own_config=own, dumped=args.dump)
@@ -294,7 +295,6 @@ def _cmd_tune(args) -> int:
         except ConfigError as err:
             raise _config_error(err, "--config") from None
     snapshot, entries = _load_trace(args.trace, args.device)
-    _wrapped_warning(entries)
     # --config alone tries just those settings; --grid adds a whole grid to them.
     grid = args.grid if args.grid is not None else (None if args.config else "default")
     with _Progress("tune", "setting") as bar:
@@ -305,6 +305,7 @@ def _cmd_tune(args) -> int:
                           snapshot=snapshot)
         except SnapshotError as err:
             raise CliError(str(err)) from None
+    _wrapped_warning(result.wrapped)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
