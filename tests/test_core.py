@@ -1268,3 +1268,33 @@ def test_none_stream_is_the_default_stream():
     sim, alloc = make()
     p = alloc.malloc(4096, None)
     assert segment_of(alloc, p)["stream"] == 0
+
+
+def test_threads_sharing_one_allocator_leave_it_consistent():
+    import random
+    import threading
+    a = pyalloc.CachingAllocator(backend=pyalloc.SimDevice(), config="")
+    errors = []
+
+    def work(seed):
+        try:
+            rng = random.Random(seed)
+            live = []
+            for _ in range(3000):
+                if live and rng.random() < 0.5:
+                    a.free(live.pop(rng.randrange(len(live))))
+                else:
+                    live.append(a.malloc(rng.choice([512, 4096, 1 << 20, 3 << 20, 30 << 20])))
+            for p in live:
+                a.free(p)
+        except Exception as exc:   # noqa: BLE001 -- reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    a._check_invariants()
+    assert a.memory_allocated() == 0
