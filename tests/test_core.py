@@ -1273,7 +1273,7 @@ def test_none_stream_is_the_default_stream():
 def test_threads_sharing_one_allocator_leave_it_consistent():
     import random
     import threading
-    a = pyalloc.CachingAllocator(backend=pyalloc.SimDevice(), config="")
+    a = CachingAllocator(backend=SimDevice(), config="")
     errors = []
 
     def work(seed):
