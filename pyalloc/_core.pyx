@@ -31,6 +31,7 @@ from cython.operator cimport dereference as deref, preincrement as inc, predecre
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 from cpython.dict cimport PyDict_Next
 from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 import threading
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
@@ -64,6 +65,8 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         uint32_t metadata_id
         uint32_t context_id
         uint32_t segment_context_id
+        void* py_address
+        uintptr_t py_address_value
         bint is_split()
 
     cdef cppclass BlockSet:
@@ -466,8 +469,10 @@ cdef class DeviceCachingAllocator:
         cdef Block* b
         self._collect_blocks(&blocks)
         for b in blocks:
+            Py_XDECREF(<PyObject*>b.py_address)
             del b
         for b in self.spare_blocks:
+            Py_XDECREF(<PyObject*>b.py_address)
             del b
         self.spare_blocks.clear()
         for i in range(self.expandable_segments_list.size()):
@@ -1333,12 +1338,30 @@ cdef class DeviceCachingAllocator:
         Raises OutOfMemoryError when neither the cache nor the device can provide the memory,
         TypeError/ValueError for a bad size or stream (state unchanged).
         """
-        return self._allocate(request_size(nbytes), stream_handle(stream))
+        cdef Block* b = self._allocate_block(request_size(nbytes), stream_handle(stream))
+        if b == NULL:
+            return 0
+        # Blocks are handed out again and again at the same address: keep the Python int of the
+        # address on the block and return it again, instead of allocating a new int each time.
+        # (The caller owns the block until free, so no other thread changes it meanwhile.)
+        if b.py_address != NULL and b.py_address_value == b.ptr:
+            return <object><PyObject*>b.py_address
+        cdef object address = b.ptr          # a Python int (typed: Cython would infer a C int)
+        Py_XDECREF(<PyObject*>b.py_address)
+        Py_INCREF(address)
+        b.py_address = <void*><PyObject*>address
+        b.py_address_value = b.ptr
+        return address
 
     cdef inline uintptr_t _allocate(self, size_t size, uintptr_t stream) except? 0:
-        """malloc for validated arguments: the path shared by malloc() and Buffer."""
+        """malloc for validated arguments: the path shared by Buffer and framework hooks."""
+        cdef Block* b = self._allocate_block(size, stream)
+        return b.ptr if b != NULL else 0
+
+    cdef inline Block* _allocate_block(self, size_t size, uintptr_t stream) except? NULL:
+        """The block handed out for a validated request (NULL for 0 bytes)."""
         if size == 0:
-            return 0
+            return NULL
         cdef uint32_t context_id = 0
         if self.capture_alloc_stacks:
             context_id = self.context_recorder()
@@ -1351,7 +1374,7 @@ cdef class DeviceCachingAllocator:
             self.mutex.unlock()
         if rc == BACKEND_OOM:
             self._raise_oom(size)
-        return b.ptr
+        return b
 
     cdef _raise_oom(self, size_t requested):
         stats = self._stats_snapshot()
@@ -1979,6 +2002,59 @@ cdef class Buffer:
     def __dealloc__(self):
         if self.ptr and self.allocator is not None:
             self.allocator._release(self.ptr)
+
+
+# ------------------------------------------------------------------------------- framework hooks
+
+cdef class FrameworkMalloc:
+    """The allocation callback a framework's allocator hook calls: nbytes -> the framework's
+    memory-pointer object, allocated by the default allocator of the framework's current device
+    on its current stream.
+
+    pyalloc.cupy builds one from CuPy's functions and classes (this module imports no framework).
+    It is Cython because it runs once per framework allocation (every cupy.empty), where a Python
+    closure cost more than CuPy's own pool does.
+
+    Args: device_id() -> int; current_stream() -> object with .ptr; registry: a module whose
+    `_allocators` dict maps device -> allocator; create(device) -> allocator (first use);
+    wrap_memory(ptr, nbytes, owner, device) and wrap_pointer(memory, offset): the framework's
+    classes; after_oom(allocator, nbytes, stream) -> Buffer, called once malloc ran out of memory;
+    device: serve only this ordinal (None: all) and pass others to fallback(nbytes).
+    """
+    cdef object _device_id, _current_stream, _registry, _create
+    cdef object _wrap_memory, _wrap_pointer, _after_oom, _fallback
+    cdef readonly object pyalloc_device
+
+    def __init__(self, device_id, current_stream, registry, create, wrap_memory, wrap_pointer,
+                 after_oom, device=None, fallback=None):
+        self._device_id = device_id
+        self._current_stream = current_stream
+        self._registry = registry
+        self._create = create
+        self._wrap_memory = wrap_memory
+        self._wrap_pointer = wrap_pointer
+        self._after_oom = after_oom
+        self.pyalloc_device = device
+        self._fallback = fallback
+
+    def __call__(self, nbytes):
+        cdef size_t size = request_size(nbytes)
+        dev = self._device_id()
+        if self.pyalloc_device is not None and dev != self.pyalloc_device:
+            return self._fallback(nbytes)
+        alloc = self._registry._allocators.get(dev)
+        if alloc is None:
+            alloc = self._create(dev)
+        cdef uintptr_t stream = stream_handle(self._current_stream().ptr)
+        cdef Buffer buf = Buffer.__new__(Buffer)
+        buf.allocator = <DeviceCachingAllocator?>alloc
+        buf.size = size
+        buf.stream = stream
+        try:
+            buf.ptr = buf.allocator._allocate(size, stream)
+        except OutOfMemoryError:
+            buf = self._after_oom(alloc, nbytes, stream)
+        return self._wrap_pointer(self._wrap_memory(buf.ptr, nbytes, buf, dev), 0)
 
 
 # ------------------------------------------------------------------------------- trace scan

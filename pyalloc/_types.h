@@ -71,6 +71,8 @@ struct Block {
     uint32_t metadata_id = 0;      // user metadata current when allocated (0 = none)
     uint32_t context_id = 0;       // captured stack of the hand-out (0 = none)
     uint32_t segment_context_id = 0;  // stack of the segment allocation, on the head block
+    void* py_address = nullptr;    // a Python int owned by the core, equal to py_address_value:
+    uintptr_t py_address_value = 0;  // malloc() returns it again while ptr still equals it
     std::set<Block*, BlockBySize>::iterator pool_pos;  // position in pool->blocks while free
 
     bool is_split() const { return prev != nullptr || next != nullptr; }

@@ -31,7 +31,7 @@ import gc
 import threading
 
 from pyalloc import defaults as _defaults
-from pyalloc._core import Buffer
+from pyalloc._core import Buffer, FrameworkMalloc
 from pyalloc.errors import NoCudaDriverError, OutOfMemoryError
 
 __all__ = ["install", "uninstall", "using", "is_installed", "allocator", "out_of_memory_error"]
@@ -136,23 +136,10 @@ def allocator(device=None, fallback=None):
         except OutOfMemoryError as exc:
             raise _as_cupy_oom(exc) from None
 
-    # The hot path: a few attribute reads, one core malloc, CuPy's two wrapper objects.
-    def pyalloc_malloc(nbytes):
-        dev = get_device_id()
-        if device is not None and dev != device:
-            return fallback(nbytes)
-        alloc = defaults._allocators.get(dev)
-        if alloc is None:
-            alloc = new_allocator(dev)
-        stream = get_current_stream().ptr
-        try:
-            buf = Buffer(alloc, nbytes, stream)
-        except OutOfMemoryError:
-            buf = malloc_after_oom(alloc, nbytes, stream)
-        return MemoryPointer(UnownedMemory(buf.ptr, nbytes, buf, dev), 0)
-
-    pyalloc_malloc.pyalloc_device = device
-    return pyalloc_malloc
+    # The hot path (FrameworkMalloc, in Cython): a few calls into CuPy, one core malloc, CuPy's
+    # two wrapper objects.
+    return FrameworkMalloc(get_device_id, get_current_stream, defaults, new_allocator,
+                           UnownedMemory, MemoryPointer, malloc_after_oom, device, fallback)
 
 
 def _check_default_backend():

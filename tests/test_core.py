@@ -1298,3 +1298,20 @@ def test_threads_sharing_one_allocator_leave_it_consistent():
     assert errors == []
     a._check_invariants()
     assert a.memory_allocated() == 0
+
+
+def test_reused_block_addresses_neither_leak_nor_lose_their_python_ints():
+    import sys
+    a = CachingAllocator(backend=SimDevice(), config="")
+    p = a.malloc(4096)
+    a.free(p)
+    q = a.malloc(4096)
+    assert q == p
+    refs = sys.getrefcount(q)
+    a.free(q)
+    for _ in range(1000):
+        a.free(a.malloc(4096))
+    assert sys.getrefcount(q) == refs          # no reference gained per reuse
+    del a
+    gc.collect()
+    assert sys.getrefcount(q) == refs - 1      # the allocator let go of the int it kept
