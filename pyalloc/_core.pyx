@@ -46,6 +46,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         size_t page_size
         uintptr_t stream
         BlockPool* pool
+        size_t mapped
 
     cdef cppclass Block:
         uintptr_t stream
@@ -603,11 +604,6 @@ cdef class DeviceCachingAllocator:
         """The block size (bytes) a request of `size` bytes is rounded to under current settings."""
         return self._round_size(request_size(size))
 
-    @staticmethod
-    def allocation_size(size_t rounded):
-        """Bytes of the segment a new allocation of `rounded` bytes gets."""
-        return segment_size_for(rounded)
-
     cdef inline bint _gc_enabled(self) noexcept:
         return self.allowed_memory_maximum != 0 and self.gc_threshold > 0.0
 
@@ -997,6 +993,7 @@ cdef class DeviceCachingAllocator:
         seg.page_size = page
         seg.stream = stream
         seg.pool = pool
+        seg.mapped = 0
         self.expandable_segments_list.push_back(seg)
         candidate = self._new_block(stream, va_size, pool, base)
         candidate.mapped = False
@@ -1039,6 +1036,7 @@ cdef class DeviceCachingAllocator:
         self._merge_into(to_map, to_map.next)
         pool_insert(pool, to_map)
         self.total_allocated_memory += mapped
+        seg.mapped += mapped
         stat_pool(self.stats[ST_RESERVED_BYTES], pool, <int64_t>mapped)
         self.num_device_alloc += 1
         if self.history_on: self._trace(TR_SEGMENT_MAP, mapped_at, mapped, to_map.stream, 0)
@@ -1113,6 +1111,7 @@ cdef class DeviceCachingAllocator:
         self._merge_into(b, b.next)
         pool.unmapped.insert(b)
         self.total_allocated_memory -= last - first
+        seg.mapped -= last - first
         stat_pool(self.stats[ST_RESERVED_BYTES], pool, -<int64_t>(last - first))
         self.num_device_free += 1
         if self.history_on: self._trace(TR_SEGMENT_UNMAP, first, last - first, b.stream, 0)
@@ -1132,21 +1131,13 @@ cdef class DeviceCachingAllocator:
     def expandable_segment_sizes(self):
         """One (stream, is_small_pool, mapped_bytes) per live expandable segment, default stream
         included (PyTorch's getExpandableSegmentSizes skips it). Bytes are currently mapped bytes."""
-        cdef vector[Block*] blocks
         cdef ExpandableSegment* seg
-        cdef Block* b
         out = []
         lock_allocator(self)
         try:
-            self._collect_blocks(&blocks)
-            mapped = {}
-            for b in blocks:
-                if b.expandable and b.mapped:
-                    key = <uintptr_t>b.segment
-                    mapped[key] = mapped.get(key, 0) + b.size
             for i in range(self.expandable_segments_list.size()):
                 seg = self.expandable_segments_list[i]
-                out.append((seg.stream, seg.pool.is_small, mapped.get(<uintptr_t>seg, 0)))
+                out.append((seg.stream, seg.pool.is_small, seg.mapped))
         finally:
             self.mutex.unlock()
         return out
@@ -1190,13 +1181,13 @@ cdef class DeviceCachingAllocator:
                 self._raise_oom(nbytes - have)
 
     cdef size_t _mapped_bytes(self, BlockPool* pool, uintptr_t stream) noexcept:
+        """Bytes mapped in the expandable segments of `stream` in `pool`."""
         cdef size_t total = 0
-        cdef Block* b
-        cdef vector[Block*] blocks
-        self._collect_blocks(&blocks)
-        for b in blocks:
-            if b.expandable and b.mapped and b.pool == pool and b.stream == stream:
-                total += b.size
+        cdef ExpandableSegment* seg
+        for i in range(self.expandable_segments_list.size()):
+            seg = self.expandable_segments_list[i]
+            if seg.pool == pool and seg.stream == stream:
+                total += seg.mapped
         return total
 
     cdef int _release_cached_blocks(self) except -1:
@@ -1655,10 +1646,6 @@ cdef class DeviceCachingAllocator:
         segments.sort(key=lambda s: s["address"])
         return segments
 
-    def _cached_block_count(self):
-        """Free blocks in the default pools: (small, large)."""
-        return self.small_blocks.blocks.size(), self.large_blocks.blocks.size()
-
     # ------------------------------------------------------------------------- history
 
     def _set_history(self, bint enabled, size_t max_entries, uint32_t skip_mask, bint clear):
@@ -1803,6 +1790,10 @@ cdef class DeviceCachingAllocator:
                 if not head.expandable:
                     recount[ST_SEGMENT][p] += 1     # expandable maps are not counted as segments
                 recount[ST_RESERVED_BYTES][p] += seg_size
+                if head.expandable:
+                    assert head.segment.mapped == seg_size, (
+                        f"expandable segment {head.segment.base:#x} counts {head.segment.mapped} mapped "
+                        f"bytes, its blocks {seg_size}")
             for k in range(NUM_STATS):
                 recount[k][0] = recount[k][1] + recount[k][2]
                 for p in range(3):

@@ -35,6 +35,7 @@ struct ExpandableSegment {
     size_t page_size;      // bytes mapped at a time: 2 MiB (small pool) or 20 MiB (large pool)
     uintptr_t stream;      // the one stream whose blocks live here
     BlockPool* pool;
+    size_t mapped;         // bytes currently mapped (kept by the core's map/unmap)
 };
 
 // Best-fit order: (stream, size, address). lower_bound with a key block of the request's stream and
