@@ -205,49 +205,70 @@ cdef enum:
 cdef struct Stat:
     int64_t current
     int64_t peak
-    int64_t allocated      # cumulative increase
-    int64_t freed          # cumulative decrease
+    int64_t allocated      # cumulative increase since the last reset_accumulated_memory_stats
+    int64_t base           # current at that reset; the cumulative decrease is derived (stat_freed)
 
+
+# The hot path updates as little as the statistics need (10 to 20 of these run per malloc/free
+# pair): a decrease touches only `current`, since freed = base + allocated - current; and in a
+# row [all, small_pool, large_pool] the "all" entry keeps only current and peak, its cumulative
+# counts being the sums of the pools' (every change goes to "all" and exactly one pool).
+# Module-level inline functions rather than methods: a cdef method of a class that Python code
+# subclasses is called through its vtable and cannot be inlined.
 
 cdef inline void stat_add(Stat* s, int64_t delta) noexcept nogil:
+    """Change a single statistic (not a row) by `delta`."""
     s.current += delta
-    if s.current > s.peak:
-        s.peak = s.current
     if delta > 0:
         s.allocated += delta
-    else:
-        s.freed -= delta
+        if s.current > s.peak:
+            s.peak = s.current
 
 
-cdef inline void stat_increase(Stat* s, int64_t amount) noexcept nogil:
+cdef inline void stat_up(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
+    """Increase row's "all" and pool_slot (1 small, 2 large) entries by amount >= 0."""
+    row[0].current += amount
+    if row[0].current > row[0].peak:
+        row[0].peak = row[0].current
+    cdef Stat* s = &row[pool_slot]
     s.current += amount
     s.allocated += amount
     if s.current > s.peak:
         s.peak = s.current
 
 
-cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
-    s.current -= amount
-    s.freed += amount
+cdef inline void stat_down(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
+    """Decrease row's "all" and pool_slot entries by amount >= 0."""
+    row[0].current -= amount
+    row[pool_slot].current -= amount
 
-
-# One statistic's row is [all, small_pool, large_pool]; every change goes to "all" and one pool.
-# Module-level inline functions rather than methods: a cdef method of a class that Python code
-# subclasses is called through its vtable and cannot be inlined, and these run ~10 times per pair.
 
 cdef inline void stat_pool(Stat* row, BlockPool* pool, int64_t delta) noexcept nogil:
-    stat_add(&row[0], delta)
-    stat_add(&row[1 if pool.is_small else 2], delta)
+    """Change row's "all" entry and the entry of `pool`'s size class by `delta` (either sign)."""
+    cdef int slot = 1 if pool.is_small else 2
+    if delta >= 0:
+        stat_up(row, slot, delta)
+    else:
+        stat_down(row, slot, -delta)
 
 
-cdef inline void stat_up(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
-    stat_increase(&row[0], amount)
-    stat_increase(&row[pool_slot], amount)
+cdef inline int64_t stat_allocated(Stat* row, int p) noexcept nogil:
+    """Cumulative increase of entry p of a row (p 0: all)."""
+    return row[1].allocated + row[2].allocated if p == 0 else row[p].allocated
 
 
-cdef inline void stat_down(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
-    stat_decrease(&row[0], amount)
-    stat_decrease(&row[pool_slot], amount)
+cdef inline int64_t single_freed(Stat* s) noexcept nogil:
+    return s.base + s.allocated - s.current
+
+
+cdef inline int64_t stat_freed(Stat* row, int p) noexcept nogil:
+    """Cumulative decrease of entry p of a row (p 0: all)."""
+    return single_freed(&row[1]) + single_freed(&row[2]) if p == 0 else single_freed(&row[p])
+
+
+cdef inline void stat_reset_accumulated(Stat* s) noexcept nogil:
+    s.allocated = 0
+    s.base = s.current
 
 
 cdef inline int floor_log2(size_t x) noexcept nogil:
@@ -328,19 +349,22 @@ cdef inline int64_t now_us() noexcept nogil:
 
 # ------------------------------------------------------------------------------- input checks
 
-cdef inline uintptr_t stream_handle(object stream) except? 0:
+cdef extern from "_pyint.h" namespace "pyalloc":
+    int exact_int_to_u64(object o, unsigned long long* out)
+
+
+cdef inline uintptr_t stream_handle(object stream) except? <uintptr_t>-1:
     """The integer handle of a stream given as an int or a stream object.
 
     Accepts ints (0 is the default stream), objects with `__cuda_stream__` (cuda.core's protocol,
     returning (version, handle)), `.cuda_stream` (PyTorch) or `.ptr` (CuPy).
+    (except? -1, not 0: the default stream's 0 is the common value, and would cost an error check.)
     """
     cdef unsigned long long value
     if type(stream) is int:
-        try:
-            value = stream
-        except OverflowError:
-            raise ValueError(f"stream handle must be an int in [0, 2**64), got {stream}") from None
-        return <uintptr_t>value
+        if exact_int_to_u64(stream, &value) == 0:
+            return <uintptr_t>value
+        raise ValueError(f"stream handle must be an int in [0, 2**64), got {stream}")
     if stream is None:
         return 0
     handle = None
@@ -358,7 +382,7 @@ cdef inline uintptr_t stream_handle(object stream) except? 0:
         raise TypeError(
             f"expected a stream (an int handle >= 0, or an object with __cuda_stream__, .cuda_stream "
             f"or .ptr), got {stream!r}")
-    return <uintptr_t>handle
+    return stream_handle(handle)
 
 
 cdef inline uintptr_t device_pointer(object ptr) except? 0:
@@ -368,32 +392,25 @@ cdef inline uintptr_t device_pointer(object ptr) except? 0:
         if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
             raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
         ptr = ptr.__index__()
-    try:
-        value = ptr
-    except OverflowError:
-        raise ValueError(f"pointer {ptr} is not a device address (expected an int in [0, 2**64))") from None
+    if exact_int_to_u64(ptr, &value) != 0:
+        raise ValueError(f"pointer {ptr} is not a device address (expected an int in [0, 2**64))")
     return <uintptr_t>value
 
 
 cdef inline size_t request_size(object nbytes) except? 0:
     """Validate a requested size in bytes: an int in [0, 2**60)."""
-    cdef long long value
-    if type(nbytes) is int:
-        try:
-            value = nbytes
-        except OverflowError:
-            value = -1 if nbytes < 0 else kMaxRequest
-    elif isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
-        raise TypeError(f"size must be an int number of bytes, got {type(nbytes).__name__} {nbytes!r}")
-    else:
-        return request_size(nbytes.__index__())
-    if value < 0:
+    cdef unsigned long long value
+    if type(nbytes) is not int:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"size must be an int number of bytes, got {type(nbytes).__name__} {nbytes!r}")
+        nbytes = nbytes.__index__()
+    if exact_int_to_u64(nbytes, &value) == 0 and value < <unsigned long long>kMaxRequest:
+        return <size_t>value
+    if nbytes < 0:
         raise ValueError(f"size must be >= 0 bytes, got {nbytes}")
-    if value >= kMaxRequest:
-        raise OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate more than 1EB memory (requested {nbytes} bytes).",
-            requested=int(nbytes))
-    return <size_t>value
+    raise OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate more than 1EB memory (requested {nbytes} bytes).",
+        requested=int(nbytes))
 
 
 # ----------------------------------------------------------------------------- the allocator
@@ -1506,6 +1523,7 @@ cdef class DeviceCachingAllocator:
         """
         out = {}
         cdef Stat s
+        cdef int k, p
         lock_allocator(self)
         try:
             for k in range(NUM_STATS):
@@ -1514,14 +1532,14 @@ cdef class DeviceCachingAllocator:
                     prefix = f"{STAT_NAMES[k]}.{POOL_NAMES[p]}."
                     out[prefix + "current"] = s.current
                     out[prefix + "peak"] = s.peak
-                    out[prefix + "allocated"] = s.allocated
-                    out[prefix + "freed"] = s.freed
+                    out[prefix + "allocated"] = stat_allocated(self.stats[k], p)
+                    out[prefix + "freed"] = stat_freed(self.stats[k], p)
             for name in ("oversize_allocations", "oversize_segments"):
                 s = self.oversize_allocations if name == "oversize_allocations" else self.oversize_segments
                 out[name + ".current"] = s.current
                 out[name + ".peak"] = s.peak
                 out[name + ".allocated"] = s.allocated
-                out[name + ".freed"] = s.freed
+                out[name + ".freed"] = single_freed(&s)
             out["num_alloc_retries"] = self.num_alloc_retries
             out["num_ooms"] = self.num_ooms
             out["num_sync_all_streams"] = self.num_sync_all_streams
@@ -1563,12 +1581,9 @@ cdef class DeviceCachingAllocator:
         lock_allocator(self)
         for k in range(NUM_STATS):
             for p in range(3):
-                self.stats[k][p].allocated = 0
-                self.stats[k][p].freed = 0
-        self.oversize_allocations.allocated = 0
-        self.oversize_allocations.freed = 0
-        self.oversize_segments.allocated = 0
-        self.oversize_segments.freed = 0
+                stat_reset_accumulated(&self.stats[k][p])
+        stat_reset_accumulated(&self.oversize_allocations)
+        stat_reset_accumulated(&self.oversize_segments)
         self.num_alloc_retries = 0
         self.num_ooms = 0
         self.num_sync_all_streams = 0

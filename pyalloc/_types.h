@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <iterator>
 #include <mutex>
@@ -169,13 +170,19 @@ struct AllocatorLock {
         }
         std::unique_lock<std::mutex> guard(sleep_mutex);
         waiters.fetch_add(1);
-        while (!try_lock()) wake.wait(guard);
+        // Timed waits: unlock() may miss a waiter that registers just as the lock is released
+        // (see there), so a sleeper retries at least every millisecond.
+        while (!try_lock()) wake.wait_for(guard, std::chrono::milliseconds(1));
         waiters.fetch_sub(1);
     }
     void unlock() {
         if (--depth != 0) return;
-        owner.store(0);
-        if (waiters.load() != 0) {
+        // A release store: on x86 a plain move, where a sequentially consistent store is a locked
+        // exchange (~20 cycles, twice per malloc/free pair). The waiters load below may then be
+        // ordered before the store and miss a waiter registering at that moment; that waiter
+        // wakes on its own within 1 ms (lock() waits with a timeout).
+        owner.store(0, std::memory_order_release);
+        if (waiters.load(std::memory_order_relaxed) != 0) {
             std::lock_guard<std::mutex> guard(sleep_mutex);
             wake.notify_all();
         }
@@ -254,22 +261,6 @@ struct BlockPool {
     int64_t get_free_blocks_call_count = 0;  // the garbage collector's clock
 
     BlockPool(bool small, int64_t owner) : is_small(small), owner_id(owner) {}
-};
-
-// One statistic, PyTorch's shape: current value, its peak, and the cumulative increases/decreases.
-struct Stat {
-    int64_t current = 0;
-    int64_t peak = 0;
-    int64_t allocated = 0;
-    int64_t freed = 0;
-
-    void add(int64_t delta) {
-        current += delta;
-        if (current > peak) peak = current;
-        if (delta > 0) allocated += delta; else freed -= delta;
-    }
-    void reset_peak() { peak = current; }
-    void reset_accumulated() { allocated = 0; freed = 0; }
 };
 
 // One allocator event for memory history (PyTorch's TraceEntry). Strings and stacks are kept
