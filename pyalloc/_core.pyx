@@ -83,7 +83,8 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         void erase(Block*)
         iterator erase_at(iterator)
         void insert(Block*)
-        void reposition(Block*)
+        void reposition_smaller(Block*)
+        void reposition_larger(Block*)
         size_t size()
         bint empty()
         bint contains(Block*)
@@ -701,7 +702,7 @@ cdef class DeviceCachingAllocator:
             remaining.size -= size
             remaining.gc_count_base = pool.get_free_blocks_call_count
             if in_pool:
-                pool.blocks.reposition(remaining)
+                pool.blocks.reposition_smaller(remaining)
             else:
                 pool.blocks.insert(remaining)
             if not b.expandable:
@@ -793,7 +794,7 @@ cdef class DeviceCachingAllocator:
                 self.spare_blocks.push_back(next)
             self.spare_blocks.push_back(b)
             merged.gc_count_base = pool.get_free_blocks_call_count
-            pool.blocks.reposition(merged)
+            pool.blocks.reposition_larger(merged)
         if merged.is_split():
             split_blocks_delta += 1
             split_bytes_delta += <int64_t>merged.size

@@ -125,15 +125,17 @@ struct BlockSet {
         erase(*it);
         return after;
     }
-    // Restores the order after b's key (size or address) changed. When b still sorts between its
-    // neighbours nothing moves: the common case for a remainder shrunk by a small split or a free
-    // block grown by a merge.
-    void reposition(Block* b) {
-        BlockBySize less;
+    // Restore the order after b's key changed, in the one direction it can have moved (the key
+    // is (stream, size, address) and the stream never changes). Nothing moves when b still sorts
+    // after its predecessor (resp. before its successor): the common case for a remainder shrunk
+    // by a small split, or a free block grown by a merge.
+    void reposition_smaller(Block* b) {     // size decreased (a split's remainder)
         iterator it = b->pool_pos;
-        if (it != items.begin() && !less(*std::prev(it), b)) { reinsert(b); return; }
-        iterator after = std::next(it);
-        if (after != items.end() && !less(b, *after)) reinsert(b);
+        if (it != items.begin() && !BlockBySize()(*std::prev(it), b)) reinsert(b);
+    }
+    void reposition_larger(Block* b) {      // size increased (a merge)
+        iterator after = std::next(b->pool_pos);
+        if (after != items.end() && !BlockBySize()(b, *after)) reinsert(b);
     }
     void reinsert(Block* b) {
         // extract() unlinks by position and makes no comparison, so b's changed key is harmless.

@@ -1008,6 +1008,24 @@ def test_reset_accumulated_memory_stats_zeroes_totals_and_counters():
             assert after[key] == before[key], key
 
 
+def test_accumulated_counts_restart_from_zero_after_reset_with_live_blocks():
+    # Cumulative decreases are derived from the values at the reset: blocks live across the reset
+    # count as freed afterwards, and "all" is the sum of the two pools.
+    sim, alloc = make()
+    small, large = alloc.malloc(1000), alloc.malloc(3 * MiB)
+    alloc.reset_accumulated_memory_stats()
+    alloc.free(small)
+    alloc.free(large)
+    alloc.malloc(2000)
+    s = alloc.memory_stats()
+    assert s["allocated_bytes.small_pool.freed"] == 1024
+    assert s["allocated_bytes.large_pool.freed"] == 3 * MiB
+    assert s["allocated_bytes.all.freed"] == 1024 + 3 * MiB
+    assert s["allocated_bytes.small_pool.allocated"] == s["allocated_bytes.all.allocated"] == 2048
+    assert (s["allocation.all.allocated"], s["allocation.all.freed"]) == (1, 2)
+    assert s["allocated_bytes.all.current"] == 2048
+
+
 def test_memory_summary_has_every_row():
     sim, alloc = make()
     alloc.malloc(1000)
