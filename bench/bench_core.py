@@ -6,12 +6,18 @@ measured in the same run (printed by bench/report.py) are comparable across nois
 
 Floors: `floor` is two calls of an empty method of the extension; `floor_signature` is two calls of
 empty methods with malloc's and free's argument shapes.
+
+The pair and scaling tests also measure their ratio interleaved (bench/interleave.py: the pair and
+the floor timed in alternation, median of the per-round ratios) and store it in extra_info
+(pair_over_floor, cost_over_100_live), which drifts of the machine's speed between two
+benchmarks do not move. bench/report.py prints both.
 """
 import random
 
 import pytest
 
 import pyalloc
+from interleave import interleaved, ratio, repeat
 
 PAIR_SIZES = {"4KiB": 4096, "1MiB": 1 << 20}
 LIVE_COUNTS = (100, 10_000, 100_000)
@@ -21,14 +27,25 @@ def make_allocator():
     return pyalloc.CachingAllocator(backend=pyalloc.SimDevice(), config="")
 
 
-@pytest.mark.benchmark(group="pair")
-def test_floor(benchmark):
-    noop = make_allocator()._noop
+def floor_calls(allocator):
+    """The floor: two calls of an empty method of the extension."""
+    noop = allocator._noop
 
     def two_calls():
         noop()
         noop()
-    benchmark(two_calls)
+    return two_calls
+
+
+def record_ratio(benchmark, key, samples, numerator, denominator):
+    median, q1, q3 = ratio(samples, numerator, denominator)
+    benchmark.extra_info[key] = round(median, 3)
+    benchmark.extra_info[key + "_iqr"] = f"{q1:.2f}-{q3:.2f}"
+
+
+@pytest.mark.benchmark(group="pair")
+def test_floor(benchmark):
+    benchmark(floor_calls(make_allocator()))
 
 
 @pytest.mark.benchmark(group="pair")
@@ -54,6 +71,9 @@ def test_malloc_free_pair(benchmark, size):
         free(malloc(nbytes))
     benchmark(pair)
     assert a.backend.counters == calls_before, "a cache hit must make no backend call"
+    samples = interleaved({"pair": repeat(pair), "floor": repeat(floor_calls(a))})
+    record_ratio(benchmark, "pair_over_floor", samples, "pair", "floor")
+    assert a.backend.counters == calls_before
 
 
 def populate(a, live, seed=0):
@@ -65,9 +85,8 @@ def populate(a, live, seed=0):
     return ptrs[1::2]
 
 
-@pytest.mark.benchmark(group="scaling")
-@pytest.mark.parametrize("live", LIVE_COUNTS)
-def test_pair_with_live_blocks(benchmark, live):
+def four_pairs_on(live):
+    """Four cache-hit pairs (4 KiB .. 900 KB) on an allocator holding `live` blocks."""
     a = make_allocator()
     keep = populate(a, live)
     malloc, free = a.malloc, a.free
@@ -76,5 +95,17 @@ def test_pair_with_live_blocks(benchmark, live):
     def four_pairs():
         for s in sizes:
             free(malloc(s))
+    four_pairs.keep = keep              # the live blocks stay referenced with the closure
+    return four_pairs
+
+
+@pytest.mark.benchmark(group="scaling")
+@pytest.mark.parametrize("live", LIVE_COUNTS)
+def test_pair_with_live_blocks(benchmark, live):
+    four_pairs = four_pairs_on(live)
     benchmark(four_pairs)
-    assert len(keep) == live // 2
+    assert len(four_pairs.keep) == live // 2
+    if live != LIVE_COUNTS[0]:
+        samples = interleaved({"live": repeat(four_pairs), "base": repeat(four_pairs_on(LIVE_COUNTS[0]))},
+                              iterations=500)
+        record_ratio(benchmark, f"cost_over_{LIVE_COUNTS[0]}_live", samples, "live", "base")

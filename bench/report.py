@@ -1,5 +1,9 @@
 """Print the ratios the README quotes from one pytest-benchmark JSON file.
 
+Two kinds: ratios of pytest-benchmark medians (each benchmark run after the other), and the
+interleaved ratios the tests store in extra_info (pair_over_floor, cost_over_100_live: the
+compared loops timed in alternation, see bench/interleave.py), which machine-speed drift does not move.
+
 Usage: python -m pytest bench/bench_core.py --benchmark-only --benchmark-json=out.json
        python bench/report.py out.json
 """
@@ -25,7 +29,9 @@ def main(path):
     for b in sorted(data["benchmarks"], key=lambda b: b["name"]):
         name = b["name"]
         if b.get("extra_info"):
-            info = ", ".join(f"{k}={v:,.0f}" if isinstance(v, (int, float)) else f"{k}={v}"
+            info = ", ".join(f"{k}={v:,}" if isinstance(v, int) else
+                             f"{k}={v:,.3f}" if isinstance(v, float) and abs(v) < 100 else
+                             f"{k}={v:,.0f}" if isinstance(v, float) else f"{k}={v}"
                              for k, v in b["extra_info"].items())
             rows.append(f"{name:45s} {info}")
     off = next((v for k, v in med.items() if "history" in k and k.endswith("[off]")), None)

@@ -354,6 +354,9 @@ cdef extern from "_pyint.h" namespace "pyalloc":
     int exact_int_to_u64(object o, unsigned long long* out)
 
 
+# Each check is an inlined fast path for exact ints in range and an out-of-line rest (other
+# types, errors), so the hot path carries none of the error code.
+
 cdef inline uintptr_t stream_handle(object stream) except? <uintptr_t>-1:
     """The integer handle of a stream given as an int or a stream object.
 
@@ -362,9 +365,13 @@ cdef inline uintptr_t stream_handle(object stream) except? <uintptr_t>-1:
     (except? -1, not 0: the default stream's 0 is the common value, and would cost an error check.)
     """
     cdef unsigned long long value
+    if type(stream) is int and exact_int_to_u64(stream, &value) == 0:
+        return <uintptr_t>value
+    return stream_handle_other(stream)
+
+
+cdef uintptr_t stream_handle_other(object stream) except? <uintptr_t>-1:
     if type(stream) is int:
-        if exact_int_to_u64(stream, &value) == 0:
-            return <uintptr_t>value
         raise ValueError(f"stream handle must be an int in [0, 2**64), got {stream}")
     if stream is None:
         return 0
@@ -389,6 +396,13 @@ cdef inline uintptr_t stream_handle(object stream) except? <uintptr_t>-1:
 cdef inline uintptr_t device_pointer(object ptr) except? 0:
     """Validate a device pointer: an int in [0, 2**64)."""
     cdef unsigned long long value
+    if type(ptr) is int and exact_int_to_u64(ptr, &value) == 0:
+        return <uintptr_t>value
+    return device_pointer_other(ptr)
+
+
+cdef uintptr_t device_pointer_other(object ptr) except? 0:
+    cdef unsigned long long value
     if type(ptr) is not int:
         if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
             raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
@@ -400,6 +414,14 @@ cdef inline uintptr_t device_pointer(object ptr) except? 0:
 
 cdef inline size_t request_size(object nbytes) except? 0:
     """Validate a requested size in bytes: an int in [0, 2**60)."""
+    cdef unsigned long long value
+    if (type(nbytes) is int and exact_int_to_u64(nbytes, &value) == 0
+            and value < <unsigned long long>kMaxRequest):
+        return <size_t>value
+    return request_size_other(nbytes)
+
+
+cdef size_t request_size_other(object nbytes) except? 0:
     cdef unsigned long long value
     if type(nbytes) is not int:
         if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
@@ -1408,12 +1430,11 @@ cdef class DeviceCachingAllocator:
             reserved_unallocated=reserved - allocated, allowed=self.allowed_memory_maximum or None)
 
     cdef inline Block* _lookup_allocated(self, uintptr_t ptr) except NULL:
+        """The live block at `ptr`; ValueError for an unknown pointer or a double free."""
         cdef Block* b = self.active_blocks.get(ptr)
-        if b == NULL:
-            raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
-        if not b.allocated:
-            raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
-        return b
+        if b != NULL and b.allocated:
+            return b
+        raise_not_allocated(ptr, b != NULL)     # out of line: keeps this path small enough to inline
 
     def free(self, ptr):
         """Return the memory at `ptr` (from malloc) to the cache. free(0) does nothing.
@@ -1946,6 +1967,12 @@ cdef class DeviceCachingAllocator:
             last = b
             inc(it)
         return 0
+
+
+cdef Block* raise_not_allocated(uintptr_t ptr, bint known) except NULL:
+    if known:
+        raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
+    raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
 
 
 cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
