@@ -14,14 +14,18 @@ Cases (all 1 MiB, stream 0, steady state: every allocation is a cache hit):
   cupy_empty_pyalloc  the same with pyalloc installed as CuPy's allocator (pyalloc.cupy.using)
 
 Targets from issue 4: pyalloc_pair <= 1/4 of cupy_pool_pair; cupy_empty_pyalloc <= cupy_empty_pool.
-Machines are noisy: compare the ratios of one run, not absolute numbers across runs.
+The cases run interleaved (bench/interleave.py) and each ratio is the median of its per-round
+ratios: machines are noisy, so compare those, not absolute numbers across runs.
 Skipped (pytest) or left out (script) without a GPU, CuPy or PyTorch.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/interleave.py, as a script too
+from interleave import interleaved, ratio   # noqa: E402
 
 NBYTES = 1 << 20
 
@@ -105,30 +109,24 @@ def make_cases():
     return cases
 
 
-def measure(loop, iters=20000, repeats=7):
-    """ns per operation: (best, median) over `repeats` timed runs of `iters` iterations."""
-    loop(1000)                                           # warm the caches (first segment etc.)
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        loop(iters)
-        samples.append((time.perf_counter_ns() - t0) / iters)
-    return min(samples), statistics.median(samples)
+def run(iters=2000, rounds=61):
+    """Time every case interleaved (bench/interleave.py): each round runs each case once.
 
-
-def run(iters=20000, repeats=7):
+    Returns ({case: (best, median) ns per operation}, {ratio name: (median, q1, q3)}), the ratios
+    being medians of the per-round ratios, which the machine's drift over the run does not move.
+    """
     cases = make_cases()
-    results = {name: measure(loop, iters, repeats) for name, loop in cases.items()}
-    best = {k: v[0] for k, v in results.items()}
+    samples = interleaved(cases, iterations=iters, rounds=rounds)
+    results = {name: (min(v), statistics.median(v)) for name, v in samples.items()}
     ratios = {}
-    if "cupy_pool_pair" in best:
-        ratios["pyalloc_pair / cupy_pool_pair (target <= 0.25)"] = best["pyalloc_pair"] / best["cupy_pool_pair"]
-    if "cupy_empty_pool" in best:
-        ratios["cupy_empty_pyalloc / cupy_empty_pool (target <= 1.0)"] = (
-            best["cupy_empty_pyalloc"] / best["cupy_empty_pool"])
-    if "torch_pair" in best:
-        ratios["pyalloc_pair / torch_pair"] = best["pyalloc_pair"] / best["torch_pair"]
-    ratios["pyalloc_pair / floor"] = best["pyalloc_pair"] / best["floor"]
+    if "cupy_pool_pair" in samples:
+        ratios["pyalloc_pair / cupy_pool_pair (target <= 0.25)"] = ratio(samples, "pyalloc_pair", "cupy_pool_pair")
+    if "cupy_empty_pool" in samples:
+        ratios["cupy_empty_pyalloc / cupy_empty_pool (target <= 1.0)"] = ratio(
+            samples, "cupy_empty_pyalloc", "cupy_empty_pool")
+    if "torch_pair" in samples:
+        ratios["pyalloc_pair / torch_pair"] = ratio(samples, "pyalloc_pair", "torch_pair")
+    ratios["pyalloc_pair / floor"] = ratio(samples, "pyalloc_pair", "floor")
     return results, ratios
 
 
@@ -137,26 +135,28 @@ def format_table(results, ratios):
     for name, (best, median) in results.items():
         lines.append(f"{name:<22}{best:>12.1f}{median:>14.1f}")
     lines.append("")
-    for name, value in ratios.items():
-        lines.append(f"{name:<58}{value:>8.3f}")
+    lines.append(f"{'ratio (median of per-round ratios)':<58}{'median':>8}{'q1 - q3':>16}")
+    for name, (median, q1, q3) in ratios.items():
+        lines.append(f"{name:<58}{median:>8.3f}{q1:>8.3f} -{q3:>6.3f}")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--iters", type=int, default=20000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=2000, help="iterations per case per round")
+    parser.add_argument("--rounds", type=int, default=61)
     args = parser.parse_args(argv)
     if not _gpu_available():
         print("bench_gpu: no GPU; nothing measured")
         return 0
-    results, ratios = run(args.iters, args.repeats)
+    results, ratios = run(args.iters, args.rounds)
     print(format_table(results, ratios))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ns_per_op": {k: {"best": v[0], "median": v[1]} for k, v in results.items()},
-                       "ratios": ratios, "nbytes": NBYTES}, f, indent=2)
+                       "ratios": {k: {"median": m, "q1": a, "q3": b} for k, (m, a, b) in ratios.items()},
+                       "nbytes": NBYTES}, f, indent=2)
     return 0
 
 

@@ -32,6 +32,8 @@ from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 from cpython.dict cimport PyDict_Next
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
+from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
+from libc.stdint cimport intptr_t
 import threading
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
@@ -1372,17 +1374,7 @@ cdef class DeviceCachingAllocator:
         cdef Block* b = self._allocate_block(request_size(nbytes), stream_handle(stream))
         if b == NULL:
             return 0
-        # Blocks are handed out again and again at the same address: keep the Python int of the
-        # address on the block and return it again, instead of allocating a new int each time.
-        # (The caller owns the block until free, so no other thread changes it meanwhile.)
-        if b.py_address != NULL and b.py_address_value == b.ptr:
-            return <object><PyObject*>b.py_address
-        cdef object address = b.ptr          # a Python int (typed: Cython would infer a C int)
-        Py_XDECREF(<PyObject*>b.py_address)
-        Py_INCREF(address)
-        b.py_address = <void*><PyObject*>address
-        b.py_address_value = b.ptr
-        return address
+        return address_object(b)
 
     cdef inline uintptr_t _allocate(self, size_t size, uintptr_t stream) except? 0:
         """malloc for validated arguments: the path shared by Buffer and framework hooks."""
@@ -1969,6 +1961,22 @@ cdef class DeviceCachingAllocator:
         return 0
 
 
+cdef inline object address_object(Block* b):
+    """b's address as a Python int, for the caller that owns b (malloc's result).
+
+    Blocks are handed out again and again at the same address: the int is kept on the block and
+    returned again instead of allocating a new one each time. (The caller owns the block until
+    free, so no other thread changes it meanwhile.)"""
+    if b.py_address != NULL and b.py_address_value == b.ptr:
+        return <object><PyObject*>b.py_address
+    cdef object address = b.ptr          # a Python int (typed: Cython would infer a C int)
+    Py_XDECREF(<PyObject*>b.py_address)
+    Py_INCREF(address)
+    b.py_address = <void*><PyObject*>address
+    b.py_address_value = b.ptr
+    return address
+
+
 cdef Block* raise_not_allocated(uintptr_t ptr, bint known) except NULL:
     if known:
         raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
@@ -2040,6 +2048,15 @@ cdef class Buffer:
 
 # ------------------------------------------------------------------------------- framework hooks
 
+ctypedef int (*device_id_fn)(int) except? -1          # CuPy's cpdef get_device_id (skip_dispatch arg)
+ctypedef intptr_t (*stream_ptr_fn)(int) except? -1    # CuPy's cdef get_stream_ptr(device_id)
+
+# The exact signatures Cython writes into a module's __pyx_capi__ capsule names for the two
+# functions above; a capsule with another name (another CuPy) is not used.
+DEVICE_ID_SIGNATURE = "int (int __pyx_skip_dispatch)"
+STREAM_PTR_SIGNATURE = "intptr_t (int)"
+
+
 cdef class FrameworkMalloc:
     """The allocation callback a framework's allocator hook calls: nbytes -> the framework's
     memory-pointer object, allocated by the default allocator of the framework's current device
@@ -2054,13 +2071,20 @@ cdef class FrameworkMalloc:
     wrap_memory(ptr, nbytes, owner, device) and wrap_pointer(memory, offset): the framework's
     classes; after_oom(allocator, nbytes, stream) -> Buffer, called once malloc ran out of memory;
     device: serve only this ordinal (None: all) and pass others to fallback(nbytes).
+    c_entry_points: optionally (device id capsule, stream pointer capsule), the framework's own C
+    functions behind device_id() and current_stream().ptr, taken from its modules' __pyx_capi__
+    (names DEVICE_ID_SIGNATURE and STREAM_PTR_SIGNATURE). CuPy's own pool calls these directly,
+    where the Python functions cost a call each and build a Stream object; capsules with other
+    signatures are ignored and the Python functions used (`uses_c_entry_points` says which).
     """
     cdef object _device_id, _current_stream, _registry, _create
     cdef object _wrap_memory, _wrap_pointer, _after_oom, _fallback
     cdef readonly object pyalloc_device
+    cdef device_id_fn _c_device_id
+    cdef stream_ptr_fn _c_stream_ptr
 
     def __init__(self, device_id, current_stream, registry, create, wrap_memory, wrap_pointer,
-                 after_oom, device=None, fallback=None):
+                 after_oom, device=None, fallback=None, c_entry_points=None):
         self._device_id = device_id
         self._current_stream = current_stream
         self._registry = registry
@@ -2070,25 +2094,66 @@ cdef class FrameworkMalloc:
         self._after_oom = after_oom
         self.pyalloc_device = device
         self._fallback = fallback
+        self._c_device_id = NULL
+        self._c_stream_ptr = NULL
+        if c_entry_points is not None:
+            device_capsule, stream_capsule = c_entry_points
+            if (capsule_named(device_capsule, DEVICE_ID_SIGNATURE)
+                    and capsule_named(stream_capsule, STREAM_PTR_SIGNATURE)):
+                self._c_device_id = <device_id_fn>PyCapsule_GetPointer(
+                    device_capsule, PyCapsule_GetName(device_capsule))
+                self._c_stream_ptr = <stream_ptr_fn>PyCapsule_GetPointer(
+                    stream_capsule, PyCapsule_GetName(stream_capsule))
+
+    @property
+    def uses_c_entry_points(self):
+        """True when the device and stream are read through the framework's C functions."""
+        return self._c_device_id != NULL
+
+    def current_device_and_stream(self):
+        """(device ordinal, stream handle) that an allocation made now would use."""
+        if self._c_device_id != NULL:
+            dev = self._c_device_id(0)
+            return dev, <uintptr_t>self._c_stream_ptr(dev)
+        return self._device_id(), stream_handle(self._current_stream().ptr)
 
     def __call__(self, nbytes):
         cdef size_t size = request_size(nbytes)
-        dev = self._device_id()
+        cdef int dev_c = 0
+        cdef uintptr_t stream
+        if self._c_device_id != NULL:
+            dev_c = self._c_device_id(0)
+            dev = dev_c
+        else:
+            dev = self._device_id()
         if self.pyalloc_device is not None and dev != self.pyalloc_device:
             return self._fallback(nbytes)
-        alloc = self._registry._allocators.get(dev)
+        alloc = (<dict>self._registry._allocators).get(dev)
         if alloc is None:
             alloc = self._create(dev)
-        cdef uintptr_t stream = stream_handle(self._current_stream().ptr)
+        if self._c_stream_ptr != NULL:
+            stream = <uintptr_t>self._c_stream_ptr(dev_c)
+        else:
+            stream = stream_handle(self._current_stream().ptr)
         cdef Buffer buf = Buffer.__new__(Buffer)
         buf.allocator = <DeviceCachingAllocator?>alloc
         buf.size = size
         buf.stream = stream
+        cdef Block* b
         try:
-            buf.ptr = buf.allocator._allocate(size, stream)
+            b = buf.allocator._allocate_block(size, stream)
         except OutOfMemoryError:
             buf = self._after_oom(alloc, nbytes, stream)
-        return self._wrap_pointer(self._wrap_memory(buf.ptr, nbytes, buf, dev), 0)
+            return self._wrap_pointer(self._wrap_memory(buf.ptr, nbytes, buf, dev), 0)
+        if b == NULL:           # 0 bytes: CuPy never asks, but keep Buffer's meaning of ptr 0
+            buf.ptr = 0
+            return self._wrap_pointer(self._wrap_memory(0, nbytes, buf, dev), 0)
+        buf.ptr = b.ptr
+        return self._wrap_pointer(self._wrap_memory(address_object(b), nbytes, buf, dev), 0)
+
+
+cdef inline bint capsule_named(object capsule, str name):
+    return PyCapsule_CheckExact(capsule) and PyCapsule_GetName(capsule) == name.encode()
 
 
 # ------------------------------------------------------------------------------- trace scan

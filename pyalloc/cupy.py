@@ -136,10 +136,27 @@ def allocator(device=None, fallback=None):
         except OutOfMemoryError as exc:
             raise _as_cupy_oom(exc) from None
 
-    # The hot path (FrameworkMalloc, in Cython): a few calls into CuPy, one core malloc, CuPy's
-    # two wrapper objects.
+    # The hot path (FrameworkMalloc, in Cython): CuPy's current device and stream, one core
+    # malloc, CuPy's two wrapper objects.
     return FrameworkMalloc(get_device_id, get_current_stream, defaults, new_allocator,
-                           UnownedMemory, MemoryPointer, malloc_after_oom, device, fallback)
+                           UnownedMemory, MemoryPointer, malloc_after_oom, device, fallback,
+                           c_entry_points=_c_entry_points(cupy))
+
+
+def _c_entry_points(cupy):
+    """CuPy's C functions behind get_device_id() and a device's current stream pointer, as the
+    capsules its Cython modules export (__pyx_capi__), or None where this CuPy has none.
+
+    CuPy's own pool calls these two directly; through Python, get_current_stream() also builds or
+    looks up a Stream object on every allocation. FrameworkMalloc checks the capsules' signatures
+    and uses the Python functions when they differ, so another CuPy version only costs speed.
+    """
+    try:
+        import cupy_backends.cuda.stream as stream_module
+        return (cupy.cuda.device.__pyx_capi__["get_device_id"],
+                stream_module.__pyx_capi__["get_stream_ptr"])
+    except (ImportError, AttributeError, KeyError):
+        return None
 
 
 def _check_default_backend():

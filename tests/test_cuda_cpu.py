@@ -576,6 +576,67 @@ def test_cupy_allocation_uses_cupys_current_device_and_stream(fake_cupy):
     assert pyalloc.memory_allocated(1) == 0
 
 
+def capsule(function, name):
+    """A PyCapsule around a ctypes C function pointer, named like a Cython __pyx_capi__ entry."""
+    import ctypes
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule.keep.append((function, name))       # the capsule holds bare pointers to both
+    return new(ctypes.cast(function, ctypes.c_void_p), name, None)
+
+
+capsule.keep = []
+
+
+def c_entry_points(device, stream, device_signature=b"int (int __pyx_skip_dispatch)"):
+    """Capsules with the signatures of CuPy's get_device_id and get_stream_ptr, answering
+    `device` and `stream` (and recording the device each stream query was for)."""
+    import ctypes
+    asked = []
+
+    def stream_for(dev):
+        asked.append(dev)
+        return stream
+    device_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lambda skip_dispatch: device)
+    stream_fn = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)(stream_for)
+    return (capsule(device_fn, device_signature), capsule(stream_fn, b"intptr_t (int)")), asked
+
+
+def test_cupy_allocation_reads_device_and_stream_through_cupys_c_functions(fake_cupy, monkeypatch):
+    import pyalloc.cupy as pc
+    points, asked = c_entry_points(device=1, stream=9)
+    monkeypatch.setattr(pc, "_c_entry_points", lambda cupy: points)
+    fake_cupy.device, fake_cupy.stream = 0, 4            # what the Python functions would say
+    fn = pc.allocator()
+    assert fn.uses_c_entry_points
+    assert fn.current_device_and_stream() == (1, 9)
+    mp = fn(MiB)
+    assert mp.mem.device_id == 1 and pyalloc.memory_allocated(1) == MiB
+    assert allocation_stream(mp.ptr, device=1) == 9
+    assert asked[-1] == 1                                # the stream of the device in use
+    del mp
+    assert pyalloc.memory_allocated(1) == 0
+
+
+def test_cupy_c_functions_with_another_signature_are_not_used(fake_cupy, monkeypatch):
+    import pyalloc.cupy as pc
+    points, _ = c_entry_points(device=1, stream=9, device_signature=b"int (void)")
+    monkeypatch.setattr(pc, "_c_entry_points", lambda cupy: points)
+    fake_cupy.device, fake_cupy.stream = 0, 4
+    fn = pc.allocator()
+    assert not fn.uses_c_entry_points
+    assert fn.current_device_and_stream() == (0, 4)
+    mp = fn(4096)
+    assert allocation_stream(mp.ptr, device=0) == 4
+    del mp
+
+
+def test_cupy_without_exported_c_functions_uses_the_python_ones(fake_cupy):
+    import pyalloc.cupy as pc
+    assert pc._c_entry_points(fake_cupy.module) is None  # the stand-in exports no __pyx_capi__
+    assert not pc.allocator().uses_c_entry_points
+
+
 def test_cupy_uninstall_restores_the_previous_allocator(fake_cupy):
     import pyalloc.cupy as pc
     pc.install()

@@ -106,6 +106,29 @@ def test_cupy_allocation_is_made_for_cupys_current_stream():
     s.synchronize()
 
 
+def test_cupys_c_functions_are_used_and_agree_with_its_python_functions():
+    # pyalloc.cupy reads the current device and stream through CuPy's exported C functions
+    # (pyalloc.cupy._c_entry_points); they must say what cupy.cuda's Python functions say.
+    fn = pc.allocator()
+    assert fn.uses_c_entry_points, "this CuPy's __pyx_capi__ lacks get_device_id/get_stream_ptr"
+
+    def python_view():
+        return cp.cuda.Device().id, cp.cuda.get_current_stream().ptr
+
+    assert fn.current_device_and_stream() == python_view()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        assert fn.current_device_and_stream() == python_view() == (0, s.ptr)
+    with cp.cuda.Stream.ptds:
+        assert fn.current_device_and_stream() == python_view()
+    for d in range(cuda_backend.device_count()):
+        with cp.cuda.Device(d):
+            other = cp.cuda.Stream()
+            with other:
+                assert fn.current_device_and_stream() == python_view() == (d, other.ptr)
+            assert fn.current_device_and_stream() == python_view()
+
+
 def test_uninstall_restores_cupys_allocator():
     original = cp.cuda.get_allocator()
     pc.install()
