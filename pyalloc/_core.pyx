@@ -205,73 +205,22 @@ cdef enum:
     TR_OOM
 
 
-cdef struct Stat:
-    int64_t current
-    int64_t peak
-    int64_t allocated      # cumulative increase since the last reset_accumulated_memory_stats
-    int64_t base           # current at that reset; the cumulative decrease is derived (stat_freed)
-
-
-# The hot path updates as little as the statistics need (10 to 20 of these run per malloc/free
-# pair): a decrease touches only `current`, since freed = base + allocated - current; and in a
-# row [all, small_pool, large_pool] the "all" entry keeps only current and peak, its cumulative
-# counts being the sums of the pools' (every change goes to "all" and exactly one pool).
-# Module-level inline functions rather than methods: a cdef method of a class that Python code
-# subclasses is called through its vtable and cannot be inlined.
-
-cdef inline void stat_add(Stat* s, int64_t delta) noexcept nogil:
-    """Change a single statistic (not a row) by `delta`."""
-    s.current += delta
-    if delta > 0:
-        s.allocated += delta
-        if s.current > s.peak:
-            s.peak = s.current
-
-
-cdef inline void stat_up(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
-    """Increase row's "all" and pool_slot (1 small, 2 large) entries by amount >= 0."""
-    row[0].current += amount
-    if row[0].current > row[0].peak:
-        row[0].peak = row[0].current
-    cdef Stat* s = &row[pool_slot]
-    s.current += amount
-    s.allocated += amount
-    if s.current > s.peak:
-        s.peak = s.current
-
-
-cdef inline void stat_down(Stat* row, int pool_slot, int64_t amount) noexcept nogil:
-    """Decrease row's "all" and pool_slot entries by amount >= 0."""
-    row[0].current -= amount
-    row[pool_slot].current -= amount
-
-
-cdef inline void stat_pool(Stat* row, BlockPool* pool, int64_t delta) noexcept nogil:
-    """Change row's "all" entry and the entry of `pool`'s size class by `delta` (either sign)."""
-    cdef int slot = 1 if pool.is_small else 2
-    if delta >= 0:
-        stat_up(row, slot, delta)
-    else:
-        stat_down(row, slot, -delta)
-
-
-cdef inline int64_t stat_allocated(Stat* row, int p) noexcept nogil:
-    """Cumulative increase of entry p of a row (p 0: all)."""
-    return row[1].allocated + row[2].allocated if p == 0 else row[p].allocated
-
-
-cdef inline int64_t single_freed(Stat* s) noexcept nogil:
-    return s.base + s.allocated - s.current
-
-
-cdef inline int64_t stat_freed(Stat* row, int p) noexcept nogil:
-    """Cumulative decrease of entry p of a row (p 0: all)."""
-    return single_freed(&row[1]) + single_freed(&row[2]) if p == 0 else single_freed(&row[p])
-
-
-cdef inline void stat_reset_accumulated(Stat* s) noexcept nogil:
-    s.allocated = 0
-    s.base = s.current
+# Statistics (Stat, stat_up/down/pool/add, their readers): C++ in _types.h, where they can be
+# forced inline; GCC kept stat_pool out of line, a call per split or merge.
+cdef extern from "_types.h" namespace "pyalloc" nogil:
+    cdef struct Stat:
+        int64_t current
+        int64_t peak
+        int64_t allocated
+        int64_t base
+    void stat_add(Stat* s, int64_t delta)
+    void stat_up(Stat* row, int pool_slot, int64_t amount)
+    void stat_down(Stat* row, int pool_slot, int64_t amount)
+    void stat_pool(Stat* row, bint small_pool, int64_t delta)
+    int64_t stat_allocated(Stat* row, int p)
+    int64_t single_freed(Stat* s)
+    int64_t stat_freed(Stat* row, int p)
+    void stat_reset_accumulated(Stat* s)
 
 
 cdef inline int floor_log2(size_t x) noexcept nogil:
@@ -731,16 +680,16 @@ cdef class DeviceCachingAllocator:
                 pool.blocks.insert(remaining)
             if not b.expandable:
                 if already_split:
-                    stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, -<int64_t>b.size)
+                    stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
                 else:
-                    stat_pool(self.stats[ST_INACTIVE_SPLIT], pool, 1)
-                    stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, <int64_t>remaining.size)
+                    stat_pool(self.stats[ST_INACTIVE_SPLIT], pool.is_small, 1)
+                    stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, <int64_t>remaining.size)
         else:
             if in_pool:
                 pool.blocks.erase(b)
             if already_split and not b.expandable:
-                stat_pool(self.stats[ST_INACTIVE_SPLIT], pool, -1)
-                stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, -<int64_t>b.size)
+                stat_pool(self.stats[ST_INACTIVE_SPLIT], pool.is_small, -1)
+                stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
 
         b.allocated = True
         b.requested_size = orig_size
@@ -823,8 +772,8 @@ cdef class DeviceCachingAllocator:
             split_blocks_delta += 1
             split_bytes_delta += <int64_t>merged.size
         if not merged.expandable:
-            stat_pool(self.stats[ST_INACTIVE_SPLIT], pool, split_blocks_delta)
-            stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool, split_bytes_delta)
+            stat_pool(self.stats[ST_INACTIVE_SPLIT], pool.is_small, split_blocks_delta)
+            stat_pool(self.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, split_bytes_delta)
         cdef int slot = 1 if pool.is_small else 2
         stat_down(self.stats[ST_ACTIVE], slot, 1)
         stat_down(self.stats[ST_ACTIVE_BYTES], slot, <int64_t>original_size)
@@ -928,8 +877,8 @@ cdef class DeviceCachingAllocator:
             return BACKEND_OOM
         self.total_allocated_memory += alloc_size
         cdef Block* b = self._new_block(stream, alloc_size, pool, ptr)
-        stat_pool(self.stats[ST_SEGMENT], pool, 1)
-        stat_pool(self.stats[ST_RESERVED_BYTES], pool, <int64_t>alloc_size)
+        stat_pool(self.stats[ST_SEGMENT], pool.is_small, 1)
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool.is_small, <int64_t>alloc_size)
         if alloc_size >= self.max_split_size:
             stat_add(&self.oversize_segments, 1)
         self.num_device_alloc += 1
@@ -942,8 +891,8 @@ cdef class DeviceCachingAllocator:
         self.backend.segment_free(b.ptr, b.size)
         self.total_allocated_memory -= b.size
         cdef BlockPool* pool = b.pool
-        stat_pool(self.stats[ST_SEGMENT], pool, -1)
-        stat_pool(self.stats[ST_RESERVED_BYTES], pool, -<int64_t>b.size)
+        stat_pool(self.stats[ST_SEGMENT], pool.is_small, -1)
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool.is_small, -<int64_t>b.size)
         if b.size >= self.max_split_size:
             stat_add(&self.oversize_segments, -1)
         self.num_device_free += 1
@@ -1079,7 +1028,7 @@ cdef class DeviceCachingAllocator:
         pool_insert(pool, to_map)
         self.total_allocated_memory += mapped
         seg.mapped += mapped
-        stat_pool(self.stats[ST_RESERVED_BYTES], pool, <int64_t>mapped)
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool.is_small, <int64_t>mapped)
         self.num_device_alloc += 1
         if self.history_on: self._trace(TR_SEGMENT_MAP, mapped_at, mapped, to_map.stream, 0)
         return 1
@@ -1154,7 +1103,7 @@ cdef class DeviceCachingAllocator:
         pool.unmapped.insert(b)
         self.total_allocated_memory -= last - first
         seg.mapped -= last - first
-        stat_pool(self.stats[ST_RESERVED_BYTES], pool, -<int64_t>(last - first))
+        stat_pool(self.stats[ST_RESERVED_BYTES], pool.is_small, -<int64_t>(last - first))
         self.num_device_free += 1
         if self.history_on: self._trace(TR_SEGMENT_UNMAP, first, last - first, b.stream, 0)
         if b.prev == NULL and b.next == NULL:

@@ -265,6 +265,60 @@ struct BlockPool {
     BlockPool(bool small, int64_t owner) : is_small(small), owner_id(owner) {}
 };
 
+// One statistic, PyTorch's shape (current, peak, cumulative increase and decrease), kept so that
+// the hot path updates as little as possible (10 to 20 updates run per malloc/free pair):
+//  * a decrease touches only `current`: the cumulative decrease is derived, freed = base +
+//    allocated - current, where base is `current` at the last reset of the cumulative counts;
+//  * statistics come in rows [all, small_pool, large_pool], every change going to "all" and
+//    exactly one pool, so the "all" entry keeps only current and peak: its cumulative counts are
+//    the sums of the pools'.
+// Forced inline: GCC otherwise keeps some out of line, a call per split or merge.
+struct Stat {
+    int64_t current;
+    int64_t peak;
+    int64_t allocated;   // cumulative increase since the last reset_accumulated
+    int64_t base;        // current at that reset
+};
+
+#define PYALLOC_INLINE inline __attribute__((always_inline))
+
+// A single statistic (not a row) changed by delta.
+PYALLOC_INLINE void stat_add(Stat* s, int64_t delta) {
+    s->current += delta;
+    if (delta > 0) {
+        s->allocated += delta;
+        if (s->current > s->peak) s->peak = s->current;
+    }
+}
+// Row's "all" entry and entry pool_slot (1 small, 2 large) increased by amount >= 0.
+PYALLOC_INLINE void stat_up(Stat* row, int pool_slot, int64_t amount) {
+    row[0].current += amount;
+    if (row[0].current > row[0].peak) row[0].peak = row[0].current;
+    Stat* s = &row[pool_slot];
+    s->current += amount;
+    s->allocated += amount;
+    if (s->current > s->peak) s->peak = s->current;
+}
+// Row's "all" entry and entry pool_slot decreased by amount >= 0.
+PYALLOC_INLINE void stat_down(Stat* row, int pool_slot, int64_t amount) {
+    row[0].current -= amount;
+    row[pool_slot].current -= amount;
+}
+// Row's "all" entry and the entry of a pool's size class changed by delta (either sign).
+PYALLOC_INLINE void stat_pool(Stat* row, bool small_pool, int64_t delta) {
+    if (delta >= 0) stat_up(row, small_pool ? 1 : 2, delta);
+    else stat_down(row, small_pool ? 1 : 2, -delta);
+}
+// Cumulative increase / decrease of entry p of a row (p 0: all).
+inline int64_t single_freed(const Stat* s) { return s->base + s->allocated - s->current; }
+inline int64_t stat_allocated(const Stat* row, int p) {
+    return p == 0 ? row[1].allocated + row[2].allocated : row[p].allocated;
+}
+inline int64_t stat_freed(const Stat* row, int p) {
+    return p == 0 ? single_freed(&row[1]) + single_freed(&row[2]) : single_freed(&row[p]);
+}
+inline void stat_reset_accumulated(Stat* s) { s->allocated = 0; s->base = s->current; }
+
 // One allocator event for memory history (PyTorch's TraceEntry). Strings and stacks are kept
 // by id in Python-side tables, so recording an entry allocates nothing.
 struct TraceEntry {
