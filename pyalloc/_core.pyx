@@ -95,6 +95,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         bint try_lock()
         void lock()
         void unlock()
+        bint held()
 
     cdef cppclass UnmappedSet:
         cppclass iterator:
@@ -413,6 +414,7 @@ cdef class DeviceCachingAllocator:
     cdef size_t roundup_divisions[16]
     cdef double gc_threshold                           # fraction of allowed_memory_maximum
     cdef bint expandable_segments
+    cdef bint release_lock_on_malloc                   # release_lock_on_cudamalloc
     cdef size_t allowed_memory_maximum                 # 0: no per-process limit
     cdef double memory_fraction
 
@@ -496,7 +498,9 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             divs[i] = divisions[i]
         cdef bint expandable = settings.expandable_segments
+        cdef bint release_lock = getattr(settings, "release_lock_on_cudamalloc", False)
         lock_allocator(self)
+        self.release_lock_on_malloc = release_lock
         self.max_split_size = max_split
         self.max_non_split_rounding_size = non_split
         self.gc_threshold = gc
@@ -873,7 +877,20 @@ cdef class DeviceCachingAllocator:
         if self.expandable_segments:
             return self._try_allocate_expandable_block(pool, stream, size, out)
         cdef uintptr_t ptr = 0
-        if self.backend.segment_alloc(alloc_size, &ptr) == BACKEND_OOM:
+        cdef int rc
+        if self.release_lock_on_malloc:
+            # PyTorch's release_lock_on_cudamalloc: other threads may use the cache while the
+            # driver allocates (cuMemAlloc can take milliseconds). Nothing read before the call is
+            # relied on after it but the memory-limit check above, which, as in PyTorch, another
+            # thread's allocation in between can make stale by one segment.
+            self.mutex.unlock()
+            try:
+                rc = self.backend.segment_alloc(alloc_size, &ptr)
+            finally:
+                lock_allocator(self)
+        else:
+            rc = self.backend.segment_alloc(alloc_size, &ptr)
+        if rc == BACKEND_OOM:
             return BACKEND_OOM
         self.total_allocated_memory += alloc_size
         cdef Block* b = self._new_block(stream, alloc_size, pool, ptr)
@@ -1460,6 +1477,10 @@ cdef class DeviceCachingAllocator:
             self._process_events()
         finally:
             self.mutex.unlock()
+
+    def _lock_held(self):
+        """Whether any thread holds this allocator's lock now (for tests)."""
+        return self.mutex.held()
 
     def _noop(self):
         """An empty method: the call-overhead floor the benchmarks compare against."""

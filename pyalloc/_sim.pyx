@@ -68,6 +68,10 @@ cdef class SimDevice(Backend):
             blocks get split: with top_down, replays of the shared H200 traces under settings other
             than the recorded one reproduce PyTorch's peaks for those settings (first fit missed
             one by 2.9%).
+
+    Attributes: counters (calls per backend operation); segment_alloc_hook, a callable(nbytes)
+    run at the start of every segment allocation (None by default), where a test can look at the
+    allocator in the middle of one (e.g. what other threads can do while the "driver" allocates).
     """
 
     cdef readonly size_t total_memory
@@ -89,6 +93,7 @@ cdef class SimDevice(Backend):
     cdef uintptr_t _next_event
     cdef uint64_t _seq                                 # orders event records and waits
     cdef public dict counters
+    cdef public object segment_alloc_hook              # callable(nbytes) or None, see the class doc
 
     def __init__(self, size_t total_memory=80 * GiB, *, int device=0,
                  uintptr_t base_address=0x7f0000000000, size_t alignment=2 * MiB, bint top_down=False):
@@ -189,6 +194,8 @@ cdef class SimDevice(Backend):
 
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
         self.counters["segment_alloc"] += 1
+        if self.segment_alloc_hook is not None:
+            self.segment_alloc_hook(nbytes)
         if nbytes > self.total_memory - self.used_memory:
             return BACKEND_OOM
         cdef uintptr_t addr

@@ -158,6 +158,7 @@ struct AllocatorLock {
     std::condition_variable wake;
 
     static uintptr_t self() { return (uintptr_t)pthread_self(); }
+    bool held() const { return owner.load(std::memory_order_relaxed) != 0; }   // by any thread
     bool try_lock() {
         uintptr_t me = self();
         if (owner.load(std::memory_order_relaxed) == me) { ++depth; return true; }

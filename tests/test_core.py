@@ -1333,3 +1333,62 @@ def test_reused_block_addresses_neither_leak_nor_lose_their_python_ints():
     del a
     gc.collect()
     assert sys.getrefcount(q) == refs - 1      # the allocator let go of the int it kept
+
+
+# ------------------------------------------------------------------ release_lock_on_cudamalloc
+
+def lock_state_during_segment_allocation(config):
+    sim, alloc = make(config)
+    seen = []
+    sim.segment_alloc_hook = lambda nbytes: seen.append(alloc._lock_held())
+    alloc.malloc(3 * MiB)
+    return seen
+
+
+def test_the_lock_is_held_while_a_segment_is_allocated_by_default():
+    assert lock_state_during_segment_allocation("") == [True]
+
+
+def test_release_lock_on_cudamalloc_frees_the_lock_while_a_segment_is_allocated():
+    assert lock_state_during_segment_allocation("release_lock_on_cudamalloc:True") == [False]
+
+
+def test_release_lock_on_cudamalloc_lets_another_thread_use_the_cache_meanwhile():
+    import threading
+    sim, alloc = make("release_lock_on_cudamalloc:True")
+    alloc.free(alloc.malloc(4096))                  # a cached small segment for the other thread
+    done = []
+
+    def other_thread():
+        done.append(alloc.malloc(4096))             # a cache hit: no segment allocation
+        alloc.free(done[-1])
+
+    def while_allocating(nbytes):
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join(timeout=30)                          # would never finish if the lock were held
+        done.append(not t.is_alive())
+    sim.segment_alloc_hook = while_allocating
+    big = alloc.malloc(30 * MiB)
+    sim.segment_alloc_hook = None
+    assert done[-1] is True and len(done) == 2
+    alloc._check_invariants()
+    assert alloc.memory_allocated() == 30 * MiB and stat(alloc, "num_device_alloc") == 2
+    alloc.free(big)
+
+
+def test_release_lock_on_cudamalloc_follows_runtime_settings():
+    import pyalloc
+    sim = SimDevice()
+    alloc = CachingAllocator(backend=sim)             # follows the process-wide settings
+    seen = []
+    sim.segment_alloc_hook = lambda nbytes: seen.append(alloc._lock_held())
+    before = pyalloc.get_allocator_settings()
+    try:
+        pyalloc.set_allocator_settings("release_lock_on_cudamalloc:True")
+        alloc.malloc(3 * MiB)
+        pyalloc.set_allocator_settings("release_lock_on_cudamalloc:False")
+        alloc.malloc(30 * MiB)
+    finally:
+        pyalloc.set_allocator_settings(before)
+    assert seen == [False, True]

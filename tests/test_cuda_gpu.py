@@ -189,8 +189,11 @@ def test_record_stream_event_completes_on_an_idle_stream(driver, alloc):
         drv(driver.cuStreamDestroy, stream)
 
 
-def test_concurrent_threads_allocate_and_free_consistently():
-    a = pyalloc.CachingAllocator(0, backend="cuda")
+@pytest.mark.parametrize("config", ["", "release_lock_on_cudamalloc:True"])
+def test_concurrent_threads_allocate_and_free_consistently(config):
+    # With release_lock_on_cudamalloc the lock is let go during each cuMemAlloc (GIL released
+    # too), so other threads' cache hits and frees run in the middle of segment allocations.
+    a = pyalloc.CachingAllocator(0, backend="cuda", config=config)
     errors = []
 
     def worker(seed):
