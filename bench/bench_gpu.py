@@ -9,6 +9,8 @@ Cases (all 1 MiB, stream 0, steady state: every allocation is a cache hit):
   pyalloc_pair        allocator.malloc + allocator.free (bound methods of the default allocator)
   pyalloc_module_pair pyalloc.malloc + pyalloc.free (module level, device looked up)
   cupy_pool_pair      cupy.cuda.MemoryPool().malloc, then dropping the MemoryPointer (its free)
+  cupy_hook_pair      pyalloc.cupy's allocator function (what cupy.empty calls with pyalloc
+                      installed), then dropping its MemoryPointer: the pool pair's counterpart
   torch_pair          torch.cuda.caching_allocator_alloc + caching_allocator_delete
   cupy_empty_pool     cupy.empty(1 MiB, uint8) on CuPy's own pool (the array dropped at once)
   cupy_empty_pyalloc  the same with pyalloc installed as CuPy's allocator (pyalloc.cupy.using)
@@ -78,6 +80,12 @@ def make_cases():
             for _ in range(iters):
                 malloc(n)              # the MemoryPointer is dropped at once: that is its free
 
+        hook = pc.allocator()
+
+        def cupy_hook_pair(iters):
+            for _ in range(iters):
+                hook(n)                # pyalloc.cupy's allocator function, as cupy.empty calls it
+
         def cupy_empty_pool(iters):
             empty, u8 = cupy.empty, cupy.uint8
             with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
@@ -90,7 +98,8 @@ def make_cases():
                 for _ in range(iters):
                     empty(n, u8)
 
-        cases.update(cupy_pool_pair=cupy_pool_pair, cupy_empty_pool=cupy_empty_pool,
+        cases.update(cupy_pool_pair=cupy_pool_pair, cupy_hook_pair=cupy_hook_pair,
+                     cupy_empty_pool=cupy_empty_pool,
                      cupy_empty_pyalloc=cupy_empty_pyalloc)
 
     try:
@@ -121,6 +130,8 @@ def run(iters=2000, rounds=61):
     ratios = {}
     if "cupy_pool_pair" in samples:
         ratios["pyalloc_pair / cupy_pool_pair (target <= 0.25)"] = ratio(samples, "pyalloc_pair", "cupy_pool_pair")
+    if "cupy_hook_pair" in samples:
+        ratios["cupy_hook_pair / cupy_pool_pair"] = ratio(samples, "cupy_hook_pair", "cupy_pool_pair")
     if "cupy_empty_pool" in samples:
         ratios["cupy_empty_pyalloc / cupy_empty_pool (target <= 1.0)"] = ratio(
             samples, "cupy_empty_pyalloc", "cupy_empty_pool")
@@ -176,7 +187,8 @@ if pytest is not None and "pytest" in sys.modules and __name__ != "__main__":
         return make_cases()
 
     @pytest.mark.parametrize("name", ["floor", "pyalloc_pair", "pyalloc_module_pair", "cupy_pool_pair",
-                                      "torch_pair", "cupy_empty_pool", "cupy_empty_pyalloc"])
+                                      "cupy_hook_pair", "torch_pair", "cupy_empty_pool",
+                                      "cupy_empty_pyalloc"])
     def test_allocation_cost(benchmark, cases, name):
         if name not in cases:
             pytest.skip(f"{name}: library not installed")

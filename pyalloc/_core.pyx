@@ -1348,22 +1348,28 @@ cdef class DeviceCachingAllocator:
         return b.ptr if b != NULL else 0
 
     cdef inline Block* _allocate_block(self, size_t size, uintptr_t stream) except? NULL:
-        """The block handed out for a validated request (NULL for 0 bytes)."""
+        """The block handed out for a validated request (NULL for 0 bytes); OutOfMemoryError."""
+        cdef Block* b = NULL
+        if self._try_allocate_block(size, stream, &b) == BACKEND_OOM:
+            self._raise_oom(size)
+        return b
+
+    cdef inline int _try_allocate_block(self, size_t size, uintptr_t stream, Block** out) except -1:
+        """0 with *out the block handed out for a validated request (NULL for 0 bytes), or
+        BACKEND_OOM (nothing raised: callers with their own out-of-memory path skip a try)."""
+        out[0] = NULL
         if size == 0:
-            return NULL
+            return 0
         cdef uint32_t context_id = 0
         if self.capture_alloc_stacks:
             context_id = self.context_recorder()
-        cdef Block* b = NULL
         cdef int rc
         lock_allocator(self)
         try:
-            rc = self._malloc(size, stream, context_id, &b)
+            rc = self._malloc(size, stream, context_id, out)
         finally:
             self.mutex.unlock()
-        if rc == BACKEND_OOM:
-            self._raise_oom(size)
-        return b
+        return rc
 
     cdef _raise_oom(self, size_t requested):
         stats = self._stats_snapshot()
@@ -1967,6 +1973,7 @@ cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
 # no_gc_clear: when a Buffer is freed as part of a garbage cycle, the collector must not clear
 # its allocator reference first, or __dealloc__ could not return the memory (it would leak).
 @cython.no_gc_clear
+@cython.freelist(64)        # one per CuPy allocation: reuse the object memory
 cdef class Buffer:
     """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
 
@@ -2047,7 +2054,8 @@ cdef class FrameworkMalloc:
     where the Python functions cost a call each and build a Stream object; capsules with other
     signatures are ignored and the Python functions used (`uses_c_entry_points` says which).
     """
-    cdef object _device_id, _current_stream, _registry, _create
+    cdef object _device_id, _current_stream, _create
+    cdef dict _registry_vars
     cdef object _wrap_memory, _wrap_pointer, _after_oom, _fallback
     cdef readonly object pyalloc_device
     cdef device_id_fn _c_device_id
@@ -2057,7 +2065,7 @@ cdef class FrameworkMalloc:
                  after_oom, device=None, fallback=None, c_entry_points=None):
         self._device_id = device_id
         self._current_stream = current_stream
-        self._registry = registry
+        self._registry_vars = vars(registry)
         self._create = create
         self._wrap_memory = wrap_memory
         self._wrap_pointer = wrap_pointer
@@ -2098,7 +2106,9 @@ cdef class FrameworkMalloc:
             dev = self._device_id()
         if self.pyalloc_device is not None and dev != self.pyalloc_device:
             return self._fallback(nbytes)
-        alloc = (<dict>self._registry._allocators).get(dev)
+        # The registry module's dict, not an attribute lookup: ~5x cheaper, and the module rebinds
+        # _allocators (copy-on-write) but never its own __dict__.
+        alloc = (<dict>self._registry_vars["_allocators"]).get(dev)
         if alloc is None:
             alloc = self._create(dev)
         if self._c_stream_ptr != NULL:
@@ -2110,11 +2120,12 @@ cdef class FrameworkMalloc:
         buf.size = size
         buf.stream = stream
         cdef Block* b
-        try:
-            b = buf.allocator._allocate_block(size, stream)
-        except OutOfMemoryError:
-            buf = self._after_oom(alloc, nbytes, stream)
-            return self._wrap_pointer(self._wrap_memory(buf.ptr, nbytes, buf, dev), 0)
+        if buf.allocator._try_allocate_block(size, stream, &b) == BACKEND_OOM:
+            try:
+                buf.allocator._raise_oom(size)       # observers see it, as for any other malloc
+            except OutOfMemoryError:
+                buf = self._after_oom(alloc, nbytes, stream)
+                return self._wrap_pointer(self._wrap_memory(buf.ptr, nbytes, buf, dev), 0)
         if b == NULL:           # 0 bytes: CuPy never asks, but keep Buffer's meaning of ptr 0
             buf.ptr = 0
             return self._wrap_pointer(self._wrap_memory(0, nbytes, buf, dev), 0)
