@@ -10,7 +10,8 @@
 #     bash tools/gpu-check.sh
 # The build goes to /tmp/inst, the wheels to /tmp/site, and tests run from a copy in /tmp/t so
 # that the source tree does not shadow the built package (SITE, INST, T override these folders;
-# GPU_CHECK_NO_WHEELS=1 skips the wheels, for a dry run elsewhere).
+# GPU_CHECK_NO_WHEELS=1 skips the wheels, for a dry run elsewhere; GPU_CHECK_BUILD_ONLY=1 stops
+# after the build, for scripts such as tools/scaling-order.sh).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -59,6 +60,10 @@ done
 printf '[pytest]\nmarkers =\n    gpu: needs an NVIDIA GPU and driver (skipped elsewhere)\n' > "$T/repo/pytest.ini"
 cd "$T/repo"
 export PYTHONPATH="$INST:$SITE"
+if [ "${GPU_CHECK_BUILD_ONLY:-0}" = 1 ]; then
+    echo "built into $INST, tests copied to $T/repo (GPU_CHECK_BUILD_ONLY=1: nothing run)"
+    exit 0
+fi
 
 say "versions"
 python3 - <<'EOF' 2>&1 | tee "$OUT/versions.txt"
