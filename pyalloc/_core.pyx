@@ -254,6 +254,27 @@ def expandable_reservation_size(size_t total_bytes, bint small_pool):
     return reservation_size(total_bytes, kSmallBuffer if small_pool else kLargeBuffer)
 
 
+cdef inline void absorb_neighbour(Block* dst, Block* src) noexcept nogil:
+    """dst takes over the byte range of its neighbour src in the segment's block list.
+
+    List surgery only: pools, statistics and src's Block object are the caller's (the free path
+    and the expandable map/unmap paths handle those differently). A range absorbed from below
+    brings the segment's allocation stack along, which only a segment's head block carries.
+    """
+    if dst.prev == src:
+        dst.ptr = src.ptr
+        dst.prev = src.prev
+        if dst.prev != NULL:
+            dst.prev.next = dst
+        if src.segment_context_id:
+            dst.segment_context_id = src.segment_context_id
+    else:
+        dst.next = src.next
+        if dst.next != NULL:
+            dst.next.prev = dst
+    dst.size += src.size
+
+
 cdef inline bint mergeable(Block* b, Block* neighbour) noexcept nogil:
     """True when `neighbour` of `b` is a free block that may absorb or be absorbed by it."""
     return (neighbour != NULL and not neighbour.allocated and neighbour.event_count == 0
@@ -742,32 +763,19 @@ cdef class DeviceCachingAllocator:
             merged = prev if prev != NULL else next
             if prev != NULL and next != NULL:
                 pool.blocks.erase(next)
+            # The neighbours' sizes leave the inactive-split count; the merged range re-enters
+            # it below if it is still split.
             if prev != NULL:
-                # prev absorbs b (and next, below): prev heads the range and keeps its context.
-                prev.size += b.size
-                prev.next = b.next
-                if prev.next != NULL:
-                    prev.next.prev = prev
-                split_blocks_delta -= 1
-                split_bytes_delta -= <int64_t>prev.size - <int64_t>b.size
+                split_bytes_delta -= <int64_t>prev.size
+                absorb_neighbour(prev, b)        # prev heads the range and keeps its context
             else:
-                # next absorbs b from below and becomes the head of the range.
-                next.ptr = b.ptr
-                next.size += b.size
-                next.prev = b.prev
-                if next.prev != NULL:
-                    next.prev.next = next
-                if b.segment_context_id:
-                    next.segment_context_id = b.segment_context_id
-                split_blocks_delta -= 1
-                split_bytes_delta -= <int64_t>next.size - <int64_t>b.size
-            if prev != NULL and next != NULL:
-                prev.size += next.size
-                prev.next = next.next
-                if prev.next != NULL:
-                    prev.next.prev = prev
-                split_blocks_delta -= 1
                 split_bytes_delta -= <int64_t>next.size
+                absorb_neighbour(next, b)        # next becomes the head of the range
+            split_blocks_delta -= 1
+            if prev != NULL and next != NULL:
+                split_bytes_delta -= <int64_t>next.size
+                absorb_neighbour(prev, next)
+                split_blocks_delta -= 1
                 self.spare_blocks.push_back(next)
             self.spare_blocks.push_back(b)
             merged.gc_count_base = pool.get_free_blocks_call_count
@@ -947,18 +955,7 @@ cdef class DeviceCachingAllocator:
         if (src == NULL or src.allocated or src.event_count > 0 or not src.stream_uses.empty()
                 or dst.mapped != src.mapped):
             return 0
-        if dst.prev == src:
-            dst.ptr = src.ptr
-            dst.prev = src.prev
-            if dst.prev != NULL:
-                dst.prev.next = dst
-            if src.segment_context_id:
-                dst.segment_context_id = src.segment_context_id
-        else:
-            dst.next = src.next
-            if dst.next != NULL:
-                dst.next.prev = dst
-        dst.size += src.size
+        absorb_neighbour(dst, src)
         if src.mapped:
             dst.pool.blocks.erase(src)
         else:
