@@ -9,8 +9,8 @@
 // Sizes and device addresses fit in two 30-bit digits, and reading those directly saves a call
 // into CPython per argument (PyLong_AsUnsignedLongLong on 3.11 even sends 3-digit values through
 // its generic byte-array conversion). The digit layout is CPython's internal one, as Cython's own
-// conversions read it; it is used only on the versions whose layout is listed below, and every
-// other version or case takes the public API.
+// conversions read it; it is used only on the versions it was tested on (3.11, 3.12, 3.13), and
+// every other version or case takes the public API.
 #pragma once
 #include <Python.h>
 
@@ -19,8 +19,8 @@ namespace pyalloc {
 // `o` must be an int (exact or subclass). Returns 0 and stores o in *out when 0 <= o < 2**64;
 // returns -1 with no Python error set otherwise.
 inline int exact_int_to_u64(PyObject* o, unsigned long long* out) {
-#if PYLONG_BITS_IN_DIGIT == 30 && PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030F0000
-    // 3.12 - 3.14: lv_tag = (number of digits << 3) | sign bits (0 positive, 1 zero, 2 negative).
+#if PYLONG_BITS_IN_DIGIT == 30 && PY_VERSION_HEX >= 0x030C0000 && PY_VERSION_HEX < 0x030E0000
+    // 3.12, 3.13: lv_tag = (number of digits << 3) | sign bits (0 positive, 1 zero, 2 negative).
     uintptr_t tag = ((PyLongObject*)o)->long_value.lv_tag;
     const digit* d = ((PyLongObject*)o)->long_value.ob_digit;
     if ((tag & 3) != 2) {
