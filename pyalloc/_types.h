@@ -1,8 +1,10 @@
 // pyalloc core data structures: Block, BlockPool, statistics and the history ring buffer.
 //
-// Only plain data, orderings and containers live here; every decision that uses them (best fit,
-// split, merge, release, statistics updates) is written in _core.pyx. The structs are C++ because
-// the ordered sets need comparators and node-pooling allocators, which Cython cannot declare.
+// Only plain data, orderings, containers and the arithmetic of a statistic update live here; every
+// decision that uses them (best fit, split, merge, release, which statistics change when) is
+// written in _core.pyx. The structs are C++ because the ordered sets need comparators and
+// node-pooling allocators, and the statistics helpers a forced-inline attribute, which Cython
+// cannot declare.
 //
 // Vocabulary:
 //   segment  one device allocation (a cuMemAlloc, or later one mapped range of an expandable segment)
