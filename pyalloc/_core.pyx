@@ -374,12 +374,18 @@ cdef inline uintptr_t device_pointer(object ptr) except? 0:
     return device_pointer_other(ptr)
 
 
+cdef object as_index(object value, str expected):
+    """value as an int (through __index__; bools refused), or TypeError: "{expected}, got ..."."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
+    return value.__index__()
+
+
 cdef uintptr_t device_pointer_other(object ptr) except? 0:
     cdef unsigned long long value
-    if type(ptr) is not int:
-        if isinstance(ptr, bool) or not hasattr(ptr, "__index__"):
-            raise TypeError(f"ptr must be an int device pointer, got {type(ptr).__name__} {ptr!r}")
-        ptr = ptr.__index__()
+    ptr = as_index(ptr, "ptr must be an int device pointer")
     if exact_int_to_u64(ptr, &value) != 0:
         raise ValueError(f"pointer {ptr} is not a device address (expected an int in [0, 2**64))")
     return <uintptr_t>value
@@ -396,10 +402,7 @@ cdef inline size_t request_size(object nbytes) except? 0:
 
 cdef size_t request_size_other(object nbytes) except? 0:
     cdef unsigned long long value
-    if type(nbytes) is not int:
-        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
-            raise TypeError(f"size must be an int number of bytes, got {type(nbytes).__name__} {nbytes!r}")
-        nbytes = nbytes.__index__()
+    nbytes = as_index(nbytes, "size must be an int number of bytes")
     if exact_int_to_u64(nbytes, &value) == 0 and value < <unsigned long long>kMaxRequest:
         return <size_t>value
     if nbytes < 0:
