@@ -1847,13 +1847,7 @@ cdef class DeviceCachingAllocator:
         # Unpickled traces share one string object per key and per action name. Looking keys up
         # with those very objects, and recognising actions by identity first, skips the string
         # comparisons that otherwise dominate the loop.
-        k_action, k_addr, k_size, k_stream = "action", "addr", "size", "stream"
-        if n and type(entries[0]) is dict:
-            for key in <dict>entries[0]:
-                if key == "action": k_action = key
-                elif key == "addr": k_addr = key
-                elif key == "size": k_size = key
-                elif key == "stream": k_stream = key
+        k_action, k_addr, k_size, k_stream = trace_key_objects(entries)
         alloc_name, free_name, segment_free_name = "alloc", "free_completed", "segment_free"
         requested_name = "free_requested"
         # One lock for the whole replay: the allocator is the replay's own, and taking the lock
@@ -2139,6 +2133,20 @@ cdef inline bint capsule_named(object capsule, str name):
 
 # ------------------------------------------------------------------------------- trace scan
 
+cdef tuple trace_key_objects(list entries):
+    """The key strings ("action", "addr", "size", "stream") as the first entry's own objects:
+    unpickled traces share one string object per key, and lookups with those very objects skip
+    string comparisons."""
+    k_action, k_addr, k_size, k_stream = "action", "addr", "size", "stream"
+    if entries and type(entries[0]) is dict:
+        for key in <dict>entries[0]:
+            if key == "action": k_action = key
+            elif key == "addr": k_addr = key
+            elif key == "size": k_size = key
+            elif key == "stream": k_stream = key
+    return k_action, k_addr, k_size, k_stream
+
+
 cdef inline bint leading_fields(dict d, object k_action, object k_addr, object k_size, object k_stream,
                                 PyObject** out) noexcept:
     """Read action, addr, size, stream when they are d's first four keys, in that order (as in
@@ -2169,13 +2177,7 @@ def scan_trace(list entries):
     cdef PyObject* fields[4]
     segment_allocs = []
     segment_maps = []
-    k_action, k_addr, k_size, k_stream = "action", "addr", "size", "stream"
-    if n and type(entries[0]) is dict:
-        for key in <dict>entries[0]:
-            if key == "action": k_action = key
-            elif key == "addr": k_addr = key
-            elif key == "size": k_size = key
-            elif key == "stream": k_stream = key
+    k_action, k_addr, k_size, k_stream = trace_key_objects(entries)
     # Action names are shared string objects in unpickled traces: remember up to eight that are
     # neither of the two we look for, and skip those by identity.
     cdef PyObject* other_names[8]
