@@ -1,8 +1,9 @@
-// pyalloc core data structures: Block, BlockPool, statistics and the history ring buffer.
+// pyalloc core data structures: Block, BlockPool, PrivatePool, statistics, the history ring
+// buffer and the per-allocator CoreState. Declared for Cython once, in _types.pxd.
 //
 // Only plain data, orderings, containers and the arithmetic of a statistic update live here; every
-// decision that uses them (best fit, split, merge, release, which statistics change when) is
-// written in _core.pyx. The structs are C++ because the ordered sets need comparators and
+// decision that uses them is written in _policy.pxd (best fit, split, merge), _state.pxd (which
+// statistics and trace entries change when) and _core.pyx (release, the OOM ladder, routing). The structs are C++ because the ordered sets need comparators and
 // node-pooling allocators, and the statistics helpers a forced-inline attribute, which Cython
 // cannot declare.
 //
@@ -22,12 +23,15 @@
 #include <pthread.h>
 #include <sched.h>
 #include <set>
+#include <utility>
+#include <cstdint>
 #include <vector>
 
 namespace pyalloc {
 
 struct Block;
 struct BlockPool;
+struct PrivatePool;
 
 // One expandable segment: a reservation of virtual address space whose pages are mapped to
 // physical memory on demand. The core tracks which ranges are mapped as blocks (mapped = false for
@@ -307,10 +311,52 @@ struct BlockPool {
     BlockSet blocks;                       // free mapped blocks
     UnmappedSet unmapped;                  // unmapped ranges of expandable segments, by (stream, address)
     bool is_small;                         // holds blocks of rounded size <= 1 MiB
-    int64_t owner_id;                      // 0 for the default pools, else a private pool's id
+    PrivatePool* owner;                    // nullptr for the default pools
     int64_t get_free_blocks_call_count = 0;  // the garbage collector's clock
 
-    BlockPool(bool small, int64_t owner) : is_small(small), owner_id(owner) {}
+    BlockPool(bool small, PrivatePool* owner_pool) : is_small(small), owner(owner_pool) {}
+};
+
+// A pool id, PyTorch's MempoolId_t: (0, 0) is the default pool, (0, n) a user-created pool
+// (MemPool, graph_pool_handle), (n, 0) one a graph capture created for itself.
+typedef std::pair<int64_t, int64_t> MempoolId;
+
+// A private pool (a MemPool's or a CUDA graph's): its own small and large block pools, so its
+// blocks are never handed to allocations outside it. Freed once nothing uses it (use_count 0,
+// "freeable") and it holds no device memory (device_allocations 0).
+struct PrivatePool {
+    MempoolId id;
+    int use_count = 1;               // MemPool objects, graphs and active routes holding it
+    int64_t device_allocations = 0;  // segments and expandable reservations not yet given back
+    int64_t reserved_bytes = 0;      // device memory its segments hold (mapped pages only)
+    bool no_split = false;           // never split a block (MemPool(no_split=True))
+    bool use_on_oom = false;         // its cached blocks may serve default-pool requests on OOM
+    BlockPool large_blocks;
+    BlockPool small_blocks;
+    explicit PrivatePool(MempoolId pool_id)
+        : id(pool_id), large_blocks(false, this), small_blocks(true, this) {}
+};
+
+// A routing entry (PyTorch's captures_underway): allocations that pass `filter` go to `pool`.
+// Entries are scanned newest first, so the innermost route wins.
+enum RouteFilterKind { ROUTE_THREAD = 0, ROUTE_CAPTURE = 1 };
+struct Route {
+    MempoolId id;
+    int kind;          // RouteFilterKind
+    uint64_t value;    // ROUTE_THREAD: the thread's key (current_thread_key); ROUTE_CAPTURE: capture id
+    PrivatePool* pool;
+};
+
+// The settings the policy reads (bytes unless noted), copied from a config object.
+struct Settings {
+    size_t max_split_size = SIZE_MAX;            // blocks >= this are "oversize"; SIZE_MAX: unlimited
+    size_t max_non_split_rounding_size = 20971520;
+    size_t roundup_divisions[16] = {0};          // roundup_power2_divisions per 1 MiB..32 GiB bucket
+    double gc_threshold = 0.0;                   // fraction of allowed_memory_maximum; 0: off
+    bool expandable_segments = false;
+    bool release_lock_on_malloc = false;         // release_lock_on_cudamalloc
+    size_t allowed_memory_maximum = 0;           // 0: no per-process limit
+    double memory_fraction = 1.0;
 };
 
 // One statistic, PyTorch's shape (current, peak, cumulative increase and decrease), kept so that
@@ -399,12 +445,29 @@ struct TraceRing {
     }
 };
 
-// Metadata current in this thread (an id into the core's table of strings; 0 = none).
-inline thread_local uint32_t current_metadata_id = 0;
-// Set once any thread has set metadata: until then the hot path skips the thread-local read.
-inline std::atomic<bool> metadata_in_use{false};
-inline uint32_t metadata_for_this_thread() {
-    return metadata_in_use.load(std::memory_order_relaxed) ? current_metadata_id : 0;
-}
+// What one device allocator records and counts, apart from its pools and events: the state that
+// the commit steps (_state.pxd) and the slow-path modules (expandable segments) update.
+struct CoreState {
+    Settings settings;
+    Stat stats[9][3] = {};                 // [statistic][all, small_pool, large_pool]
+    Stat oversize_allocations = {};
+    Stat oversize_segments = {};
+    int64_t num_alloc_retries = 0;
+    int64_t num_ooms = 0;
+    int64_t num_sync_all_streams = 0;
+    int64_t num_device_alloc = 0;
+    int64_t num_device_free = 0;
+    size_t stat_max_split_size = SIZE_MAX;     // as when constructed, like PyTorch
+    size_t total_allocated_memory = 0;         // bytes in live segments and mapped pages
+    std::vector<Block*> spare_blocks;          // recycled Block objects
+    std::vector<ExpandableSegment*> expandable_segments;
+    TraceRing history;
+    bool history_on = false;
+    uint32_t skip_actions_mask = 0;
+    uint32_t (*metadata_now)() = nullptr;      // this thread's metadata id; set by _core, its owner
+};
+
+// The calling thread's key for ROUTE_THREAD filters (the lock's owner id: unique among live threads).
+inline uint64_t current_thread_key() { return (uint64_t)AllocatorLock::self(); }
 
 }  // namespace pyalloc

@@ -31,7 +31,8 @@ import gc
 import threading
 
 from pyalloc import defaults as _defaults
-from pyalloc._core import Buffer, FrameworkMalloc
+from pyalloc._core import Buffer
+from pyalloc._hooks import FrameworkMalloc
 from pyalloc.errors import NoCudaDriverError, OutOfMemoryError
 
 __all__ = ["install", "uninstall", "using", "is_installed", "allocator", "out_of_memory_error"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from pyalloc.allocator import CachingAllocator
 from pyalloc.snapshot import SnapshotError, load
-from pyalloc._core import scan_trace
+from pyalloc._replay import replay_entries, scan_trace
 from pyalloc._sim import SimDevice
 
 DEFAULT_DEVICE_MEMORY = 80 << 30
@@ -82,7 +82,7 @@ def recorded_reservations(snapshot, map_addrs, device_memory, device=0):
     trace first maps into them (`map_addrs`: the addresses of its segment_map entries, in order):
     the base is the lowest address of that pool's expandable segments in the snapshot's final
     `segments` list."""
-    from pyalloc._core import expandable_reservation_size
+    from pyalloc._expandable import expandable_reservation_size
     bases = {}
     for seg in snapshot.get("segments", []):
         if seg.get("is_expandable") and seg.get("device", device) == device:
@@ -138,7 +138,7 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     alloc = CachingAllocator(device, backend=sim, config=config)
     if history:
         alloc.record_memory_history(enabled="all", context=None, max_entries=sys.maxsize)
-    allocations, matches, _, unknown_frees = alloc._replay(entries, progress)
+    allocations, matches, _, unknown_frees = replay_entries(alloc, entries, progress)
     seconds = time.perf_counter() - started
     if on_finish is not None:
         on_finish(alloc)

@@ -28,7 +28,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from pyalloc._core import TRACE_ACTIONS, metadata_string, stack_key
+from pyalloc._core import TRACE_ACTIONS, metadata_string
+from pyalloc._stacks import stack_key
 
 # Ring buffer capacity when record_memory_history is not told otherwise. PyTorch's default is
 # sys.maxsize (never drop anything, grow without bound). pyalloc keeps the newest million events
@@ -126,7 +127,7 @@ class StackTable:
 
     `record()` is the allocator's context_recorder: the core calls it (outside its lock) on
     malloc, and on free when context="all". A stack is recognised by the code object and last
-    instruction of every frame, read in C (pyalloc._core.stack_key), so a stack seen before costs
+    instruction of every frame, read in C (pyalloc._stacks.stack_key), so a stack seen before costs
     about a microsecond; a new one is read frame by frame in Python once. The table grows by one
     entry per distinct stack, not per call, and keeps that stack's code objects alive (so their
     addresses in the keys stay unique) for as long as the allocator lives.
@@ -262,7 +263,7 @@ def build_snapshot(allocator, history, stacks):
             "allocated_size": allocated_size, "active_size": active_size,
             "requested_size": requested_size, "stream": seg["stream"],
             "segment_type": "small" if seg["is_small"] else "large",
-            "segment_pool_id": (0, 0), "is_expandable": seg["is_expandable"],
+            "segment_pool_id": seg["pool_id"], "is_expandable": seg["is_expandable"],
             "frames": frames(seg["context_id"]) if seg["context_id"] else [],
             "blocks": blocks,
         })

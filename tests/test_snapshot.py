@@ -251,7 +251,7 @@ def test_segment_frames_survive_free_and_merge():
 
 
 def test_stack_key_names_code_and_instruction_of_each_frame():
-    from pyalloc._core import stack_key
+    from pyalloc._stacks import stack_key
     here = inspect.currentframe()
     key = stack_key()
     words = [int.from_bytes(key[i:i + 8], sys.byteorder) for i in range(0, len(key), 8)]

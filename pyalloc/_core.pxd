@@ -1,0 +1,77 @@
+# The device allocator's declaration, for the modules that drive it from C: the replay loop
+# (_replay.pyx) and the framework entry points (_hooks.pyx).
+from libc.stdint cimport uintptr_t, uint32_t
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+from libcpp.vector cimport vector
+from libcpp.deque cimport deque
+from libcpp.pair cimport pair
+from libcpp.map cimport map as cppmap
+from libcpp.unordered_map cimport unordered_map
+
+from pyalloc._types cimport (AllocatorLock, ActiveMap, Block, BlockPool, CoreState, MempoolId,
+                             PrivatePool, Route)
+from pyalloc._backend cimport Backend
+
+ctypedef pair[uintptr_t, Block*] EventEntry          # (event, block waiting on it)
+ctypedef deque[EventEntry] EventQueue                 # one stream's events, oldest first
+ctypedef unordered_map[uintptr_t, EventQueue] EventQueues
+
+
+cdef class DeviceCachingAllocator:
+    cdef AllocatorLock mutex
+    cdef readonly Backend backend
+    cdef CoreState st                                 # settings, statistics, history, spares
+    cdef BlockPool* large_blocks                      # the default pools
+    cdef BlockPool* small_blocks
+    cdef ActiveMap* active_blocks                     # ptr -> block handed out or awaiting events
+    cdef EventQueues stream_events
+    cdef size_t outstanding_events
+    cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
+
+    # private pools (MemPools, graph pools) and the routes into them
+    cdef cppmap[MempoolId, PrivatePool*] graph_pools
+    cdef vector[Route] captures_underway              # newest last; scanned newest first
+    cdef vector[Block*] deferred_blocks               # freed with stream uses while routing
+
+    # memory history
+    cdef public bint capture_alloc_stacks              # set by the snapshot layer
+    cdef public bint capture_free_stacks               # also capture the stack of each free()
+    cdef public object context_recorder                # callable() -> context id, or None
+    cdef public list oom_observers                     # callables(device, alloc_size, total, free)
+
+    # last OOM figures, read after the lock is dropped to build the message
+    cdef size_t oom_alloc_size, oom_free, oom_total, oom_private
+
+    # For C callers (replay, framework hooks). *_locked: the caller holds the lock.
+    cdef void lock(self) noexcept
+    cdef void unlock(self) noexcept
+    cdef int malloc_locked(self, size_t size, uintptr_t stream, uint32_t context_id,
+                           Block** out) except -1
+    cdef int free_locked(self, Block* b, uint32_t context_id) except -1
+    cdef int empty_cache_locked(self) except -1
+    cdef int try_allocate_block(self, size_t size, uintptr_t stream, Block** out) except -1
+    cdef raise_oom(self, size_t requested)
+
+
+cdef class Buffer:
+    cdef readonly uintptr_t ptr
+    cdef readonly size_t size
+    cdef readonly uintptr_t stream
+    cdef readonly DeviceCachingAllocator allocator
+
+
+cdef inline object address_object(Block* b):
+    """b's address as a Python int, for the caller that owns b (malloc's result).
+
+    Blocks are handed out again and again at the same address: the int is kept on the block and
+    returned again instead of allocating a new one each time. (The caller owns the block until
+    free, so no other thread changes it meanwhile.)"""
+    if b.py_address != NULL and b.py_address_value == b.ptr:
+        return <object><PyObject*>b.py_address
+    cdef object address = b.ptr          # a Python int (typed: Cython would infer a C int)
+    Py_XDECREF(<PyObject*>b.py_address)
+    Py_INCREF(address)
+    b.py_address = <void*><PyObject*>address
+    b.py_address_value = b.ptr
+    return address

@@ -1,0 +1,12 @@
+# Expandable segments (expandable_segments:True): the slow path that grows and shrinks a stream's
+# reserved address range page by page. Called by _core.pyx with the allocator's lock held.
+from libc.stdint cimport uintptr_t
+
+from pyalloc._types cimport Block, BlockPool, CoreState
+from pyalloc._backend cimport Backend
+
+cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool* pool,
+                                       uintptr_t stream, size_t size, Block** out) except -1
+cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1
+cdef size_t mapped_bytes(CoreState* st, BlockPool* pool, uintptr_t stream) noexcept
+cdef void free_segment_structs(CoreState* st) noexcept

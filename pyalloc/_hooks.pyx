@@ -1,0 +1,126 @@
+# cython: language_level=3
+"""Framework entry points: the callbacks other frameworks' allocator hooks call.
+
+FrameworkMalloc serves CuPy's set_allocator hook today. It is Cython because it runs once per
+framework allocation; it reaches the allocator through the C methods _core.pxd declares.
+"""
+from libc.stdint cimport uintptr_t, intptr_t
+from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
+
+from pyalloc._types cimport Block
+from pyalloc._backend cimport BACKEND_OOM
+from pyalloc._core cimport DeviceCachingAllocator, Buffer, address_object
+from pyalloc._validate cimport stream_handle, request_size
+from pyalloc.errors import OutOfMemoryError
+
+
+ctypedef int (*device_id_fn)(int) except? -1          # CuPy's cpdef get_device_id (skip_dispatch arg)
+ctypedef intptr_t (*stream_ptr_fn)(int) except? -1    # CuPy's cdef get_stream_ptr(device_id)
+
+# The exact signatures Cython writes into a module's __pyx_capi__ capsule names for the two
+# functions above; a capsule with another name (another CuPy) is not used.
+DEVICE_ID_SIGNATURE = "int (int __pyx_skip_dispatch)"
+STREAM_PTR_SIGNATURE = "intptr_t (int)"
+
+
+cdef class FrameworkMalloc:
+    """The allocation callback a framework's allocator hook calls: nbytes -> the framework's
+    memory-pointer object, allocated by the default allocator of the framework's current device
+    on its current stream.
+
+    pyalloc.cupy builds one from CuPy's functions and classes (this module imports no framework).
+    It is Cython because it runs once per framework allocation (every cupy.empty), where a Python
+    closure cost more than CuPy's own pool does.
+
+    Args: device_id() -> int; current_stream() -> object with .ptr; registry: a module whose
+    `_allocators` dict maps device -> allocator; create(device) -> allocator (first use);
+    wrap_memory(ptr, nbytes, owner, device) and wrap_pointer(memory, offset): the framework's
+    classes; after_oom(allocator, nbytes, stream) -> Buffer, called once malloc ran out of memory;
+    device: serve only this ordinal (None: all) and pass others to fallback(nbytes).
+    c_entry_points: optionally (device id capsule, stream pointer capsule), the framework's own C
+    functions behind device_id() and current_stream().ptr, taken from its modules' __pyx_capi__
+    (names DEVICE_ID_SIGNATURE and STREAM_PTR_SIGNATURE). CuPy's own pool calls these directly,
+    where the Python functions cost a call each and build a Stream object; capsules with other
+    signatures are ignored and the Python functions used (`uses_c_entry_points` says which).
+    """
+    cdef object _device_id, _current_stream, _create
+    cdef dict _registry_vars
+    cdef object _wrap_memory, _wrap_pointer, _after_oom, _fallback
+    cdef readonly object pyalloc_device
+    cdef device_id_fn _c_device_id
+    cdef stream_ptr_fn _c_stream_ptr
+
+    def __init__(self, device_id, current_stream, registry, create, wrap_memory, wrap_pointer,
+                 after_oom, device=None, fallback=None, c_entry_points=None):
+        self._device_id = device_id
+        self._current_stream = current_stream
+        self._registry_vars = vars(registry)
+        self._create = create
+        self._wrap_memory = wrap_memory
+        self._wrap_pointer = wrap_pointer
+        self._after_oom = after_oom
+        self.pyalloc_device = device
+        self._fallback = fallback
+        self._c_device_id = NULL
+        self._c_stream_ptr = NULL
+        if c_entry_points is not None:
+            device_capsule, stream_capsule = c_entry_points
+            if (capsule_named(device_capsule, DEVICE_ID_SIGNATURE)
+                    and capsule_named(stream_capsule, STREAM_PTR_SIGNATURE)):
+                self._c_device_id = <device_id_fn>PyCapsule_GetPointer(
+                    device_capsule, PyCapsule_GetName(device_capsule))
+                self._c_stream_ptr = <stream_ptr_fn>PyCapsule_GetPointer(
+                    stream_capsule, PyCapsule_GetName(stream_capsule))
+
+    @property
+    def uses_c_entry_points(self):
+        """True when the device and stream are read through the framework's C functions."""
+        return self._c_device_id != NULL
+
+    def current_device_and_stream(self):
+        """(device ordinal, stream handle) that an allocation made now would use."""
+        if self._c_device_id != NULL:
+            dev = self._c_device_id(0)
+            return dev, <uintptr_t>self._c_stream_ptr(dev)
+        return self._device_id(), stream_handle(self._current_stream().ptr)
+
+    def __call__(self, nbytes):
+        cdef size_t size = request_size(nbytes)
+        cdef int dev_c = 0
+        cdef uintptr_t stream
+        if self._c_device_id != NULL:
+            dev_c = self._c_device_id(0)
+            dev = dev_c
+        else:
+            dev = self._device_id()
+        if self.pyalloc_device is not None and dev != self.pyalloc_device:
+            return self._fallback(nbytes)
+        # The registry module's dict, not an attribute lookup: ~5x cheaper, and the module rebinds
+        # _allocators (copy-on-write) but never its own __dict__.
+        alloc = (<dict>self._registry_vars["_allocators"]).get(dev)
+        if alloc is None:
+            alloc = self._create(dev)
+        if self._c_stream_ptr != NULL:
+            stream = <uintptr_t>self._c_stream_ptr(dev_c)
+        else:
+            stream = stream_handle(self._current_stream().ptr)
+        cdef Buffer buf = Buffer.__new__(Buffer)
+        buf.allocator = <DeviceCachingAllocator?>alloc
+        buf.size = size
+        buf.stream = stream
+        cdef Block* b
+        if buf.allocator.try_allocate_block(size, stream, &b) == BACKEND_OOM:
+            try:
+                buf.allocator.raise_oom(size)       # observers see it, as for any other malloc
+            except OutOfMemoryError:
+                buf = self._after_oom(alloc, nbytes, stream)
+                return self._wrap_pointer(self._wrap_memory(buf.ptr, nbytes, buf, dev), 0)
+        if b == NULL:           # 0 bytes: CuPy never asks, but keep Buffer's meaning of ptr 0
+            buf.ptr = 0
+            return self._wrap_pointer(self._wrap_memory(0, nbytes, buf, dev), 0)
+        buf.ptr = b.ptr
+        return self._wrap_pointer(self._wrap_memory(address_object(b), nbytes, buf, dev), 0)
+
+
+cdef inline bint capsule_named(object capsule, str name):
+    return PyCapsule_CheckExact(capsule) and PyCapsule_GetName(capsule) == name.encode()

@@ -1,0 +1,140 @@
+# The commit steps: the one place where an allocation, a free or a segment change updates the
+# statistics and writes its trace entry. Inline functions over CoreState, used by _core.pyx (the
+# hot path) and _expandable.pyx (page maps and unmaps), so a statistic cannot drift between them.
+from libc.stdint cimport uintptr_t, int64_t, uint32_t
+from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
+
+from pyalloc._types cimport (Block, BlockPool, CoreState, TraceEntry, stat_add, stat_up, stat_down,
+                             stat_pool, ST_ALLOCATION, ST_SEGMENT, ST_ACTIVE, ST_ALLOCATED_BYTES,
+                             ST_RESERVED_BYTES, ST_ACTIVE_BYTES, ST_REQUESTED_BYTES, TR_ALLOC,
+                             TR_FREE_REQUESTED, TR_FREE_COMPLETED, TR_SEGMENT_ALLOC,
+                             TR_SEGMENT_FREE, TR_SEGMENT_MAP, TR_SEGMENT_UNMAP)
+from pyalloc._policy cimport merge_free_block
+
+
+cdef inline int64_t now_us() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return <int64_t>ts.tv_sec * 1000000 + ts.tv_nsec // 1000
+
+
+cdef inline void trace(CoreState* st, int action, uintptr_t addr, size_t size, uintptr_t stream,
+                       uint32_t context_id) noexcept nogil:
+    """Append a trace entry to the history ring when history is on and `action` is not skipped."""
+    if not st.history_on or (st.skip_actions_mask >> action) & 1:
+        return
+    cdef TraceEntry e
+    e.action = action
+    e.addr = addr
+    e.size = size
+    e.stream = stream
+    e.time_us = now_us()
+    e.metadata_id = st.metadata_now()
+    e.context_id = context_id
+    st.history.push(e)
+
+
+cdef inline int pool_slot(BlockPool* pool) noexcept nogil:
+    """The statistics slot of a pool's size class: 1 small_pool, 2 large_pool (0 is "all")."""
+    return 1 if pool.is_small else 2
+
+
+cdef inline void commit_alloc(CoreState* st, Block* b, size_t orig_size, uint32_t metadata_id,
+                              uint32_t context_id) noexcept nogil:
+    """Block `b` is handed out for a request of `orig_size` bytes."""
+    b.allocated = True
+    b.requested_size = orig_size
+    b.metadata_id = metadata_id
+    b.context_id = context_id
+    cdef int slot = pool_slot(b.pool)
+    stat_up(st.stats[ST_ALLOCATION], slot, 1)
+    stat_up(st.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
+    stat_up(st.stats[ST_ACTIVE], slot, 1)
+    stat_up(st.stats[ST_ACTIVE_BYTES], slot, <int64_t>b.size)
+    stat_up(st.stats[ST_REQUESTED_BYTES], slot, <int64_t>orig_size)
+    if b.size >= st.settings.max_split_size:
+        stat_add(&st.oversize_allocations, 1)
+    if st.history_on:
+        trace(st, TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
+
+
+cdef inline void commit_free_requested(CoreState* st, Block* b, uint32_t context_id) noexcept nogil:
+    """The caller gave `b` up; it may still wait for other streams before it is reusable.
+    `context_id`: the free call's stack (0: the entry carries the allocation stack)."""
+    b.allocated = False
+    cdef int slot = pool_slot(b.pool)
+    stat_down(st.stats[ST_ALLOCATION], slot, 1)
+    stat_down(st.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
+    if st.history_on:
+        trace(st, TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream,
+              context_id if context_id else b.context_id)
+    if b.size >= st.settings.max_split_size:
+        stat_add(&st.oversize_allocations, -1)
+
+
+cdef inline Block* commit_free_completed(CoreState* st, Block* b, uint32_t context_id) noexcept nogil:
+    """Every use of `b` is over: it returns to its pool, merged with free neighbours (the block
+    holding the merged range is returned). The caller has taken it out of the active map."""
+    if st.history_on:
+        trace(st, TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream,
+              context_id if context_id else b.context_id)
+    cdef int slot = pool_slot(b.pool)
+    cdef int64_t size = <int64_t>b.size
+    cdef int64_t requested = <int64_t>b.requested_size
+    cdef Block* merged = merge_free_block(st, b)
+    stat_down(st.stats[ST_ACTIVE], slot, 1)
+    stat_down(st.stats[ST_ACTIVE_BYTES], slot, size)
+    stat_down(st.stats[ST_REQUESTED_BYTES], slot, requested)
+    return merged
+
+
+cdef inline void commit_device_memory(CoreState* st, BlockPool* pool, int64_t delta) noexcept nogil:
+    """Reserved memory of `pool` changed by `delta` bytes (a segment or a page range)."""
+    st.total_allocated_memory += delta
+    stat_pool(st.stats[ST_RESERVED_BYTES], pool.is_small, delta)
+    if pool.owner != NULL:
+        pool.owner.reserved_bytes += delta
+    if delta > 0:
+        st.num_device_alloc += 1
+    else:
+        st.num_device_free += 1
+
+
+cdef inline void commit_segment_alloc(CoreState* st, Block* segment, uint32_t context_id) noexcept nogil:
+    """A new device segment, whole in block `segment`, joins its pool."""
+    commit_device_memory(st, segment.pool, <int64_t>segment.size)
+    if segment.pool.owner != NULL:
+        segment.pool.owner.device_allocations += 1
+    stat_pool(st.stats[ST_SEGMENT], segment.pool.is_small, 1)
+    if segment.size >= st.settings.max_split_size:
+        stat_add(&st.oversize_segments, 1)
+    if st.history_on:
+        trace(st, TR_SEGMENT_ALLOC, segment.ptr, segment.size, segment.stream, context_id)
+
+
+cdef inline void commit_segment_free(CoreState* st, Block* segment) noexcept nogil:
+    """The segment that is all of block `segment` went back to the device."""
+    commit_device_memory(st, segment.pool, -<int64_t>segment.size)
+    if segment.pool.owner != NULL:
+        segment.pool.owner.device_allocations -= 1
+    stat_pool(st.stats[ST_SEGMENT], segment.pool.is_small, -1)
+    if segment.size >= st.settings.max_split_size:
+        stat_add(&st.oversize_segments, -1)
+    if st.history_on:
+        trace(st, TR_SEGMENT_FREE, segment.ptr, segment.size, segment.stream, 0)
+
+
+cdef inline void commit_map(CoreState* st, BlockPool* pool, uintptr_t ptr, size_t size,
+                            uintptr_t stream) noexcept nogil:
+    """Pages [ptr, ptr + size) of an expandable segment of `pool` were mapped."""
+    commit_device_memory(st, pool, <int64_t>size)
+    if st.history_on:
+        trace(st, TR_SEGMENT_MAP, ptr, size, stream, 0)
+
+
+cdef inline void commit_unmap(CoreState* st, BlockPool* pool, uintptr_t ptr, size_t size,
+                              uintptr_t stream) noexcept nogil:
+    """Pages [ptr, ptr + size) of an expandable segment of `pool` were unmapped."""
+    commit_device_memory(st, pool, -<int64_t>size)
+    if st.history_on:
+        trace(st, TR_SEGMENT_UNMAP, ptr, size, stream, 0)

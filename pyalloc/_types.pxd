@@ -1,0 +1,208 @@
+# Cython declarations of _types.h, written once: every module that touches blocks, pools or the
+# allocator's state cimports them from here.
+from libc.stdint cimport uintptr_t, int64_t, uint32_t, int32_t, uint64_t
+from libcpp.vector cimport vector
+from libcpp.pair cimport pair
+
+cdef extern from "_types.h" namespace "pyalloc" nogil:
+    cdef cppclass BlockPool
+    cdef cppclass PrivatePool
+
+    cdef struct ExpandableSegment:
+        uintptr_t base
+        size_t size
+        size_t page_size
+        uintptr_t stream
+        BlockPool* pool
+        size_t mapped
+
+    cdef cppclass Block:
+        uintptr_t stream
+        size_t size
+        uintptr_t ptr
+        size_t requested_size
+        BlockPool* pool
+        Block* prev
+        Block* next
+        bint allocated
+        bint mapped
+        bint expandable
+        ExpandableSegment* segment
+        int event_count
+        int64_t gc_count_base
+        vector[uintptr_t] stream_uses
+        uint32_t metadata_id
+        uint32_t context_id
+        uint32_t segment_context_id
+        void* py_address
+        uintptr_t py_address_value
+        bint is_split()
+
+    cdef cppclass BlockSet:
+        cppclass iterator:
+            Block* operator*()
+            iterator operator++()
+            iterator operator--()
+            bint operator==(iterator)
+            bint operator!=(iterator)
+        iterator begin()
+        iterator end()
+        iterator lower_bound(Block*)
+        void erase(Block*)
+        iterator erase_at(iterator)
+        void insert(Block*)
+        void reposition_smaller(Block*)
+        void reposition_larger(Block*)
+        size_t size()
+        bint empty()
+        bint contains(Block*)
+
+    cdef cppclass AllocatorLock:
+        bint try_lock()
+        void lock()
+        void unlock()
+        bint held()
+
+    cdef cppclass UnmappedSet:
+        cppclass iterator:
+            Block* operator*()
+            iterator operator++()
+            bint operator==(iterator)
+            bint operator!=(iterator)
+        iterator begin()
+        iterator end()
+        iterator lower_bound(Block*)
+        iterator find(Block*)
+        size_t erase(Block*)
+        pair[iterator, bint] insert(Block*)
+        size_t size()
+
+    cdef cppclass BlockPool:
+        BlockSet blocks
+        UnmappedSet unmapped
+        bint is_small
+        PrivatePool* owner
+        int64_t get_free_blocks_call_count
+        BlockPool(bint, PrivatePool*)
+
+    ctypedef pair[int64_t, int64_t] MempoolId
+
+    cdef cppclass PrivatePool:
+        MempoolId id
+        int use_count
+        int64_t device_allocations
+        int64_t reserved_bytes
+        bint no_split
+        bint use_on_oom
+        BlockPool large_blocks
+        BlockPool small_blocks
+        PrivatePool(MempoolId)
+
+    cdef enum RouteFilterKind:
+        ROUTE_THREAD
+        ROUTE_CAPTURE
+
+    cdef struct Route:
+        MempoolId id
+        int kind
+        uint64_t value
+        PrivatePool* pool
+
+    cdef cppclass ActiveMap:
+        ActiveMap()
+        Block* get(uintptr_t)
+        void erase(uintptr_t)
+        void insert(uintptr_t, Block*)
+        size_t size()
+        void values(vector[Block*]*)
+
+    cdef struct TraceEntry:
+        int32_t action
+        uintptr_t addr
+        size_t size
+        uintptr_t stream
+        int64_t time_us
+        uint32_t metadata_id
+        uint32_t context_id
+
+    cdef cppclass TraceRing:
+        size_t capacity
+        uint64_t total
+        void reset(size_t)
+        void push(const TraceEntry&)
+        const TraceEntry& at(size_t)
+        vector[TraceEntry] entries
+
+    # Statistics: C++ so that they can be forced inline (GCC kept stat_pool out of line, a call
+    # per split and merge).
+    cdef struct Stat:
+        int64_t current
+        int64_t peak
+        int64_t allocated
+        int64_t base
+    void stat_add(Stat* s, int64_t delta)
+    void stat_up(Stat* row, int pool_slot, int64_t amount)
+    void stat_down(Stat* row, int pool_slot, int64_t amount)
+    void stat_pool(Stat* row, bint small_pool, int64_t delta)
+    int64_t stat_allocated(Stat* row, int p)
+    int64_t single_freed(Stat* s)
+    int64_t stat_freed(Stat* row, int p)
+    void stat_reset_accumulated(Stat* s)
+
+    cdef cppclass Settings:
+        size_t max_split_size
+        size_t max_non_split_rounding_size
+        size_t roundup_divisions[16]
+        double gc_threshold
+        bint expandable_segments
+        bint release_lock_on_malloc
+        size_t allowed_memory_maximum
+        double memory_fraction
+
+    cdef cppclass CoreState:
+        Settings settings
+        Stat stats[9][3]
+        Stat oversize_allocations
+        Stat oversize_segments
+        int64_t num_alloc_retries
+        int64_t num_ooms
+        int64_t num_sync_all_streams
+        int64_t num_device_alloc
+        int64_t num_device_free
+        size_t stat_max_split_size
+        size_t total_allocated_memory
+        vector[Block*] spare_blocks
+        vector[ExpandableSegment*] expandable_segments
+        TraceRing history
+        bint history_on
+        uint32_t skip_actions_mask
+        uint32_t (*metadata_now)() noexcept nogil
+
+    uint64_t current_thread_key()
+
+
+# Statistics, in PyTorch's names and order (the rows of CoreState.stats; each row has an all /
+# small_pool / large_pool slot).
+cdef enum:
+    ST_ALLOCATION = 0
+    ST_SEGMENT
+    ST_ACTIVE
+    ST_INACTIVE_SPLIT
+    ST_ALLOCATED_BYTES
+    ST_RESERVED_BYTES
+    ST_ACTIVE_BYTES
+    ST_INACTIVE_SPLIT_BYTES
+    ST_REQUESTED_BYTES
+    NUM_STATS
+
+# Trace actions, in the order of PyTorch's TraceEntry::Action.
+cdef enum:
+    TR_ALLOC = 0
+    TR_FREE_REQUESTED
+    TR_FREE_COMPLETED
+    TR_SEGMENT_ALLOC
+    TR_SEGMENT_FREE
+    TR_SEGMENT_MAP
+    TR_SEGMENT_UNMAP
+    TR_SNAPSHOT
+    TR_OOM
