@@ -6,6 +6,7 @@ to its settings and backend and formats what it reports.
 import logging
 
 from pyalloc import config as _config
+from pyalloc import pools as _pools
 from pyalloc import snapshot as _snapshot
 from pyalloc._core import Buffer, DeviceCachingAllocator, metadata_string
 from pyalloc._backend import Backend
@@ -90,6 +91,22 @@ class CachingAllocator(DeviceCachingAllocator):
     def allocate(self, nbytes, stream=0):
         """Allocate `nbytes` bytes on `stream` as a Buffer, freed by close(), `with` or collection."""
         return Buffer(self, nbytes, stream)
+
+    # ------------------------------------------------------------------ private pools
+
+    def mem_pool(self, use_on_oom=False, no_split=False):
+        """A new private pool on this allocator (pyalloc.MemPool; see pyalloc.pools)."""
+        return _pools.MemPool(use_on_oom=use_on_oom, no_split=no_split, allocator=self)
+
+    def use_mem_pool(self, pool):
+        """Context manager: this thread's allocations here go to `pool` (pyalloc.use_mem_pool)."""
+        if not isinstance(pool, _pools.MemPool) or pool.allocator is not self:
+            raise ValueError(f"{pool!r} is not a MemPool of this allocator (device {self.device})")
+        return _pools.use_mem_pool(pool)
+
+    def graph_pool_handle(self):
+        """A fresh pool id (0, n) for captures to share a pool (torch.cuda.graph_pool_handle)."""
+        return _pools.graph_pool_handle()
 
     # ------------------------------------------------------------------ memory history
 

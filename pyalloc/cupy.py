@@ -225,3 +225,19 @@ def using(device=None):
     fn = allocator(device, cupy.cuda.get_allocator() if device is not None else None)
     with cupy.cuda.using_allocator(fn):
         yield fn
+
+
+def use_mem_pool(pool):
+    """Context manager: CuPy allocations made by this thread inside the block go to `pool`, a
+    pyalloc.MemPool of one of pyalloc's default allocators (the ones CuPy uses once install()ed).
+
+    RuntimeError when pyalloc is not CuPy's allocator (install() or using() first).
+    """
+    from pyalloc import defaults, pools
+    if _installed is None:
+        raise RuntimeError("pyalloc is not CuPy's allocator: call pyalloc.cupy.install() (or use "
+                           "pyalloc.cupy.using()) before pyalloc.cupy.use_mem_pool")
+    if not isinstance(pool, pools.MemPool) or defaults.default_allocators().get(pool.allocator.device) is not pool.allocator:
+        raise ValueError(f"{pool!r} is not a MemPool of pyalloc's default allocators "
+                         "(make it with pyalloc.MemPool(device))")
+    return pools.use_mem_pool(pool)
