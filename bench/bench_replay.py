@@ -3,7 +3,7 @@ everything after the pickle is loaded; tune of an ~800,000-event trace over the 
 under 10 s on a 2-core machine, pickle load excluded).
 
 Run:  python -m pytest bench/bench_replay.py --benchmark-only
-The 846,496-event trace is the GPT-2 training trace of ../shared/traces repeated 16 times.
+The 846,496-event trace is the GPT-2 training trace of tests/data repeated 16 times.
 """
 import gzip
 import pickle
@@ -14,7 +14,7 @@ import pytest
 from pyalloc.replay import replay
 from pyalloc.tune import tune
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "tests" / "data"   # tests/data/README.md
 
 
 @pytest.fixture(scope="module")

@@ -65,9 +65,9 @@ cdef class SimDevice(Backend):
             False (default): the lowest free address from base_address up. True: the highest free
             address below base_address + 1 TiB, as the CUDA driver tends to hand them out. Best
             fit breaks ties between equal free blocks by address, so this choice changes which
-            blocks get split: with top_down, replays of the shared H200 traces under settings other
-            than the recorded one reproduce PyTorch's peaks for those settings (first fit missed
-            one by 2.9%).
+            blocks get split: with top_down, replays of the H200 traces in tests/data under
+            settings other than the recorded one reproduce PyTorch's peaks for those settings
+            (first fit missed one by 2.9%).
 
     Attributes: counters (calls per backend operation); segment_alloc_hook, a callable(nbytes)
     run at the start of every segment allocation (None by default), where a test can look at the

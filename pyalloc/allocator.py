@@ -195,36 +195,41 @@ class CachingAllocator(DeviceCachingAllocator):
 
 
 def format_memory_summary(stats, device=0):
-    """Format a memory_stats() dict as PyTorch's summary table (rows per pool, bytes humanised)."""
-    width = 75
+    """Format a memory_stats() dict as PyTorch's summary table (rows per pool, bytes humanised).
+
+    Every line, borders included, has the same width: the four value columns are 10 characters
+    wide, or as wide as the longest value (totals of a long run, such as "12345.67 GiB").
+    """
+    metrics = (("Allocated memory", "allocated_bytes", True), ("Active memory", "active_bytes", True),
+               ("Requested memory", "requested_bytes", True),
+               ("GPU reserved memory", "reserved_bytes", True),
+               ("Non-releasable memory", "inactive_split_bytes", True),
+               ("Allocations", "allocation", False), ("Active allocs", "active", False),
+               ("GPU reserved segments", "segment", False),
+               ("Non-releasable allocs", "inactive_split", False))
+    fields = ("current", "peak", "allocated", "freed")
+    sections = []                 # lists of (label, four value strings), a thin rule after each
+    for title, key, as_bytes in metrics:
+        fmt = format_bytes if as_bytes else str
+        sections.append([(label, [fmt(stats[f"{key}.{pool}.{f}"]) for f in fields])
+                         for pool, label in (("all", title), ("large_pool", "      from large pool"),
+                                             ("small_pool", "      from small pool"))])
+    sections.append([(title, [str(stats[f"{key}.{f}"]) for f in fields])
+                     for title, key in (("Oversize allocations", "oversize_allocations"),
+                                        ("Oversize GPU segments", "oversize_segments"))])
+    col = max([10] + [len(v) for rows in sections for _, values in rows for v in values])
+
+    def row(label, values):
+        return f"| {label:<25}| " + " | ".join(f"{v:>{col}}" for v in values) + " |"
+
+    header = row("Metric", ["Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed"])
+    width = len(header)
     rule = "=" * width
     thin = "-" * width
-    header = f"| {'Metric':<25}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>10} |"
-    lines = [rule, f"|{'pyalloc memory summary, device ID ' + str(device):^{width - 2}}|",
-             thin,
-             f"|  CUDA OOMs: {stats['num_ooms']:<13d}|  cudaMalloc retries: {stats['num_alloc_retries']:<10d}|".ljust(width - 1) + "|",
-             rule, header, thin]
-
-    def rows(title, key, as_bytes):
-        fmt = format_bytes if as_bytes else str
-        out = []
-        for pool, label in (("all", title), ("large_pool", "      from large pool"),
-                            ("small_pool", "      from small pool")):
-            vals = [stats[f"{key}.{pool}.{f}"] for f in ("current", "peak", "allocated", "freed")]
-            out.append(f"| {label:<25}| " + " | ".join(f"{fmt(v):>10}" for v in vals) + " |")
-        out.append(thin)
-        return out
-
-    for title, key, as_bytes in (
-            ("Allocated memory", "allocated_bytes", True), ("Active memory", "active_bytes", True),
-            ("Requested memory", "requested_bytes", True), ("GPU reserved memory", "reserved_bytes", True),
-            ("Non-releasable memory", "inactive_split_bytes", True), ("Allocations", "allocation", False),
-            ("Active allocs", "active", False), ("GPU reserved segments", "segment", False),
-            ("Non-releasable allocs", "inactive_split", False)):
-        lines += rows(title, key, as_bytes)
-    for title, key in (("Oversize allocations", "oversize_allocations"),
-                       ("Oversize GPU segments", "oversize_segments")):
-        vals = [stats[f"{key}.{f}"] for f in ("current", "peak", "allocated", "freed")]
-        lines.append(f"| {title:<25}| " + " | ".join(f"{v:>10}" for v in vals) + " |")
-    lines.append(rule)
+    counts = f"|  CUDA OOMs: {stats['num_ooms']:<13d}|  cudaMalloc retries: {stats['num_alloc_retries']:<10d}"
+    lines = [rule, f"|{'pyalloc memory summary, device ID ' + str(device):^{width - 2}}|", thin,
+             counts.ljust(width - 1) + "|", rule, header, thin]
+    for i, rows in enumerate(sections):
+        lines += [row(label, values) for label, values in rows]
+        lines.append(thin if i < len(sections) - 1 else rule)
     return "\n".join(lines) + "\n"

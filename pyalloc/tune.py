@@ -19,7 +19,7 @@ Placement, and why the table compares fresh replays:
     savings against the trace's own setting replayed fresh. The recorded baseline is reported
     beside it, and the gap between the two (the placement effect) is the noise floor below which
     a saving says little.
-  * How good fresh placement is, measured on the shared H200 traces: replaying the default runs
+  * How good fresh placement is, measured on the H200 traces in tests/data: replaying the default runs
     under the settings of the other runs of the same workload (same requests) gives PyTorch's
     peak reserved bytes for those runs exactly in 7 of 8 cases, 4 MiB (0.03%) off in the eighth.
     Bottom-up first fit, the simulated device's other mode, missed by up to 2.9%.

@@ -2,9 +2,9 @@
 pyalloc/tune.py).
 
 Real traces: examples/ (shipped, recorded with tools/record_example_trace.py, PyTorch's figures in
-the .json beside each) and ../shared/traces (PyTorch's figures in torch-peaks.jsonl); tests that
-need the shared traces are skipped, with the reason, where that folder is absent. The rest runs on
-small synthetic traces built here.
+the .json beside each) and tests/data (GPT-2 and ResNet-50 runs, PyTorch's figures in
+torch-peaks.jsonl; see tests/data/README.md). Both are in the repository, so every test here
+runs in a plain clone. The rest runs on small synthetic traces built here.
 """
 import gzip
 import io
@@ -31,10 +31,9 @@ from pyalloc._sim import SimDevice
 MiB = 1 << 20
 GiB = 1 << 30
 REPO = Path(__file__).resolve().parents[1]
-TRACES = Path(os.environ.get("PYALLOC_TRACES", REPO.parent / "shared" / "traces"))
+TRACES = REPO / "tests" / "data"          # in the repository: a missing file fails, nothing skips
 PEAKS_FILE = TRACES / "torch-peaks.jsonl"
-PEAKS = ([json.loads(line) for line in PEAKS_FILE.read_text().splitlines() if line.strip()]
-         if PEAKS_FILE.exists() else [])
+PEAKS = [json.loads(line) for line in PEAKS_FILE.read_text().splitlines() if line.strip()]
 # Runs whose setting this pyalloc can replay (expandable runs since expandable segments landed).
 REPLAYABLE = [p for p in PEAKS if tune_module.unsupported_reason(p["conf"]) is None]
 needs_traces = pytest.mark.skipif(not PEAKS, reason=f"no shared traces at {TRACES}")

@@ -28,7 +28,7 @@ ConfigError = config.ConfigError
 Cuda = config.CudaAllocatorConfig
 MiB = 1 << 20
 SIZE_MAX = 2**64 - 1
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent / "data"     # PyTorch traces (tests/data/README.md)
 TRACE_FILES = sorted(TRACES.glob("*.pickle.gz"))
 
 

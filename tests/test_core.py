@@ -1050,6 +1050,30 @@ def test_memory_summary_shows_the_values():
     assert "1000 bytes" in requested
 
 
+def test_memory_summary_lines_all_have_one_width():
+    sim, alloc = make()
+    s1 = sim.create_stream()
+    kept = [alloc.malloc(n, stream=st) for n in (1000, 3 * MiB, 700 * MiB) for st in (0, s1)]
+    alloc.free(kept.pop())
+    for summary in (CachingAllocator(backend=SimDevice()).memory_summary(), alloc.memory_summary()):
+        widths = {len(line) for line in summary.splitlines()}
+        assert widths == {80}, widths
+
+
+def test_memory_summary_widens_its_columns_for_long_values_and_stays_one_width():
+    # Totals of a long run outgrow 10 characters ("1023.99 MiB", "123456.00 GiB", 10**12 counts).
+    from pyalloc.allocator import format_memory_summary
+    stats = {k: 0 for k in CachingAllocator(backend=SimDevice()).memory_stats()}
+    stats["allocated_bytes.all.allocated"] = 123456 * GiB
+    stats["reserved_bytes.large_pool.peak"] = 1023 * MiB + 1000 * KiB
+    stats["allocation.all.allocated"] = 10**12
+    summary = format_memory_summary(stats, device=7)
+    lines = summary.splitlines()
+    assert len({len(line) for line in lines}) == 1
+    assert "123456.00 GiB" in summary and "1023.98 MiB" in summary and str(10**12) in summary
+    assert "device ID 7" in lines[1]
+
+
 # =============================================================================== Buffer
 
 def test_allocate_returns_a_buffer_with_pointer_size_stream_device():

@@ -10,7 +10,7 @@ from pyalloc.replay import replay
 
 MiB = 1 << 20
 GiB = 1 << 30
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent / "data"     # PyTorch traces (tests/data/README.md)
 
 
 def make(total=80 * GiB, config="expandable_segments:True"):

@@ -1,10 +1,10 @@
 """Fidelity: replaying PyTorch's own traces reproduces PyTorch's figures and addresses.
 
-shared/traces holds allocator traces recorded with torch 2.11 on an H200 and, in
-torch-peaks.jsonl, PyTorch's memory_stats() at the end of each run. Replaying a trace through
+tests/data holds allocator traces recorded with torch 2.11 on an H200 and, in
+torch-peaks.jsonl, PyTorch's memory_stats() at the end of each run (tests/data/README.md). Replaying a trace through
 pyalloc with the run's config must give the same peaks and device allocation count; with segments
 placed at the trace's recorded addresses every allocation must land where PyTorch put it.
-The traces live next to the repository (its parent's shared/traces); a missing folder fails.
+The traces are part of the repository; a missing file fails, nothing is skipped.
 """
 
 import gzip
@@ -19,7 +19,7 @@ from pyalloc.config import ConfigError
 from pyalloc.snapshot import SnapshotError
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "tests" / "data"
 TAGS = ("default", "split128", "pow2div4")   # the non-expandable configurations
 
 
@@ -46,7 +46,7 @@ PEAKS = torch_peaks()
 
 
 def test_trace_folder_holds_traces_and_peaks_for_every_config():
-    assert TRACES.is_dir(), f"trace folder {TRACES} is missing (expected next to the repository)"
+    assert TRACES.is_dir(), f"trace folder {TRACES} is missing (it is part of the repository)"
     assert PEAKS, f"{TRACES / 'torch-peaks.jsonl'} is missing or empty"
     for tag in TAGS:
         assert any(workload_and_tag(p)[1] == tag for p in TRACE_FILES), f"no '{tag}' trace"

@@ -19,8 +19,7 @@ from pyalloc.replay import replay
 from pyalloc.snapshot import SnapshotError, dump, load
 
 MiB = 1 << 20
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no PyTorch traces at {TRACES}")
+TRACES = Path(__file__).resolve().parent / "data"     # PyTorch traces (tests/data/README.md)
 
 
 @pytest.fixture(autouse=True)
@@ -60,13 +59,11 @@ def pytorch_snapshot(name="resnet_train-default"):
 
 # ------------------------------------------------------------------------------- format
 
-@needs_traces
 def test_top_level_keys_are_pytorchs():
     alloc, _ = busy_allocator()
     assert list(alloc.snapshot()) == list(pytorch_snapshot())
 
 
-@needs_traces
 def test_segment_keys_are_pytorchs_in_pytorchs_order():
     alloc, _ = busy_allocator()
     theirs = pytorch_snapshot()["segments"][0]
@@ -74,7 +71,6 @@ def test_segment_keys_are_pytorchs_in_pytorchs_order():
         assert list(seg) == list(theirs)
 
 
-@needs_traces
 def test_block_keys_are_pytorchs_plus_user_metadata():
     alloc, _ = busy_allocator()
     theirs = list(pytorch_snapshot()["segments"][0]["blocks"][0])
@@ -83,7 +79,6 @@ def test_block_keys_are_pytorchs_plus_user_metadata():
             assert list(b) == theirs + ["user_metadata"]
 
 
-@needs_traces
 def test_trace_entry_keys_are_pytorchs_without_context():
     alloc = make_allocator(context=None)
     alloc.free(alloc.malloc(100))
@@ -92,7 +87,6 @@ def test_trace_entry_keys_are_pytorchs_without_context():
         assert list(e) == theirs
 
 
-@needs_traces
 def test_allocator_settings_have_pytorchs_keys_and_values_for_the_same_config():
     ref = pytorch_snapshot("resnet_train-split128")
     alloc = CachingAllocator(backend=SimDevice(), config=ref["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"])
@@ -321,7 +315,6 @@ def test_dump_rejects_a_non_dict(tmp_path):
         dump([1, 2], tmp_path / "x.pickle")
 
 
-@needs_traces
 def test_load_reads_pytorchs_own_snapshot():
     snap = pytorch_snapshot()
     assert len(snap["segments"]) == 134 and len(snap["device_traces"][0]) == 24656
@@ -500,7 +493,6 @@ def segment_layout(snapshot):
             for s in snapshot["segments"]]
 
 
-@needs_traces
 @pytest.mark.parametrize("name", ["resnet_train-default", "resnet_train-split128", "resnet_train-expandable"])
 def test_replay_with_history_ends_with_pytorchs_segments(name):
     ref = pytorch_snapshot(name)
@@ -508,7 +500,6 @@ def test_replay_with_history_ends_with_pytorchs_segments(name):
     assert segment_layout(result.snapshot) == segment_layout(ref)
 
 
-@needs_traces
 def test_replay_with_history_records_pytorchs_events():
     ref = pytorch_snapshot("resnet_train-default")
     result = replay(TRACES / "resnet_train-default.pickle.gz", history=True)

@@ -47,16 +47,14 @@ if ! PYTHONPATH="$SITE" python3 -m pip install -q --no-build-isolation --no-deps
     exit 2
 fi
 
-# Tests look for shared/traces two levels above themselves (beside the repository): lay the copy
-# out the same way, linking shared/ where this checkout has one.
+# Tests and benchmarks read only the repository (tests/data, examples/): copy those folders, not
+# the package sources, so that the built package in $INST is the one imported.
 rm -rf "$T"
 mkdir -p "$T/repo"
 cp -r "$ROOT/tests" "$T/repo/tests"
 cp -r "$ROOT/bench" "$T/repo/bench"
 cp -r "$ROOT/examples" "$T/repo/examples"
-for shared in "$ROOT/shared" "$ROOT/../shared"; do
-    if [ -d "$shared/traces" ]; then ln -s "$(cd "$shared" && pwd)" "$T/shared"; break; fi
-done
+cp "$ROOT/README.md" "$T/repo/README.md"      # tests/test_readme.py runs its examples
 printf '[pytest]\nmarkers =\n    gpu: needs an NVIDIA GPU and driver (skipped elsewhere)\n' > "$T/repo/pytest.ini"
 cd "$T/repo"
 export PYTHONPATH="$INST:$SITE"

@@ -16,7 +16,7 @@ It writes two files:
   OUT                 the snapshot (torch.cuda.memory._snapshot()), a gzip-compressed pickle
   OUT without .pickle.gz + .json
                       torch.cuda.memory_stats() figures at the end of the run, in the format of
-                      shared/traces/torch-peaks.jsonl (peak_reserved, peak_allocated,
+                      tests/data/torch-peaks.jsonl (peak_reserved, peak_allocated,
                       peak_requested, num_device_alloc, num_alloc_retries, final_reserved, the
                       event counts by action), plus the setting, torch version and device.
 The allocator setting comes from --alloc-conf (else PYTORCH_CUDA_ALLOC_CONF as set); it is put
