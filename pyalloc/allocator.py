@@ -187,15 +187,18 @@ class CachingAllocator(DeviceCachingAllocator):
 
     def memory_summary(self):
         """A readable table of the statistics, laid out like torch.cuda.memory_summary()."""
-        return format_memory_summary(self.memory_stats(), self.device)
+        return format_memory_summary(self.memory_stats(), self.device, self.private_pool_bytes())
 
     def __repr__(self):
         return (f"CachingAllocator(device={self.device}, backend={self.backend.kind!r}, "
                 f"allocated={self.memory_allocated()}, reserved={self.memory_reserved()})")
 
 
-def format_memory_summary(stats, device=0):
+def format_memory_summary(stats, device=0, private_pools=None):
     """Format a memory_stats() dict as PyTorch's summary table (rows per pool, bytes humanised).
+
+    `private_pools`: (reserved, cached) bytes of private pools (private_pool_bytes()), shown
+    under the header line of counts when given.
 
     Every line, borders included, has the same width: the four value columns are 10 characters
     wide, or as wide as the longest value (totals of a long run, such as "12345.67 GiB").
@@ -228,7 +231,12 @@ def format_memory_summary(stats, device=0):
     thin = "-" * width
     counts = f"|  CUDA OOMs: {stats['num_ooms']:<13d}|  cudaMalloc retries: {stats['num_alloc_retries']:<10d}"
     lines = [rule, f"|{'pyalloc memory summary, device ID ' + str(device):^{width - 2}}|", thin,
-             counts.ljust(width - 1) + "|", rule, header, thin]
+             counts.ljust(width - 1) + "|"]
+    if private_pools is not None:
+        reserved, cached = private_pools
+        lines.append(f"|  Private pools (MemPool, CUDA graphs): {format_bytes(reserved)} reserved, "
+                     f"{format_bytes(cached)} cached free".ljust(width - 1) + "|")
+    lines += [rule, header, thin]
     for i, rows in enumerate(sections):
         lines += [row(label, values) for label, values in rows]
         lines.append(thin if i < len(sections) - 1 else rule)
