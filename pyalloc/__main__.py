@@ -2,12 +2,10 @@
 
 Both read a memory snapshot recorded by PyTorch (or pyalloc) with history on and replay its
 allocation stream on the simulated device, so they need no GPU. `replay` prints the figures of one
-setting; `tune` ranks a grid of settings by peak reserved memory and prints the best one as a
-PYTORCH_CUDA_ALLOC_CONF line.
+setting; `tune` ranks a grid of settings (those that fit the device by peak reserved memory, then
+those that ran out of memory) and prints the best one as a PYTORCH_CUDA_ALLOC_CONF line.
 
-Exit status: 0 on success, 2 for bad input (a usage error, a file that is not a readable snapshot,
-a snapshot without a trace, a malformed setting string, a setting this pyalloc cannot replay), each
-reported as one line on stderr, 130 when interrupted.
+Exit statuses: see EXIT_STATUSES (also printed by --help).
 """
 from __future__ import annotations
 
@@ -18,13 +16,30 @@ import re
 import sys
 from fractions import Fraction
 
-# Sizes accepted by --device-memory: a byte count, or a number with one of these units.
+# Units of sizes (case-insensitive): B, KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB
+# powers of 1024; a bare K, M, G or T means KiB, MiB, GiB, TiB (80G is 80GiB), as `ls -h` and
+# `docker --memory` read them.
 SIZE_UNITS = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
 }
+_UNIT_NAMES = "B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB or K, M, G, T (powers of 1024)"
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+# A number without a unit counts bytes and must be at least this many: a smaller one is a
+# forgotten unit (`--device-memory 80` for 80 GiB), not a device size.
+MIN_BARE_BYTES = 1 << 20
+
+EXIT_STATUSES = """\
+exit statuses:
+  0    success (a replay that runs out of memory still succeeds: its out-of-memory count says so)
+  1    tune could replay none of its settings (each failed or was skipped: the report says why),
+       or the output pipe closed early
+  2    bad input, reported as one line on stderr: a usage error (a bad option or size), a file
+       that is not a readable snapshot, no trace for --device, a corrupt trace entry, a malformed
+       setting string or one this pyalloc cannot replay
+  130  interrupted (Ctrl-C)"""
 
 # A progress bar appears only for work still running after this many seconds, so quick runs
 # print nothing extra (tests set it to 0).
@@ -36,27 +51,54 @@ class CliError(Exception):
 
 
 def parse_size(text: str) -> int:
-    """Bytes from '85899345920', '80GiB', '40GB', '512MiB', '1.5TiB' (units: B, KB, MB, GB, TB
-    are powers of 1000; KiB, MiB, GiB, TiB powers of 1024; case-insensitive).
-    ValueError naming the text for anything else, for 0, for a fraction of a byte and for sizes of
-    2**64 bytes or more."""
+    """Bytes from a size: a whole number of bytes of at least MIN_BARE_BYTES ('85899345920'), or a
+    number with a unit ('80GiB', '40GB', '13.7GiB', '80G' = '80GiB'; see SIZE_UNITS), rounded down
+    to a whole byte. The one parser of every size the command line takes.
+    ValueError naming the text for anything else: no number, an unknown unit, a bare number below
+    MIN_BARE_BYTES or with decimals (it suggests a unit), less than one byte, 2**64 bytes or more."""
     match = _SIZE.fullmatch(text)
     if not match:
-        raise ValueError(f"invalid size {text!r}: expected a number of bytes or a number with a unit "
-                         "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 80GiB")
+        raise ValueError(f"invalid size {text!r}: expected a number with a unit, e.g. 80GiB "
+                         f"(units: {_UNIT_NAMES})")
     number, unit = match.groups()
     scale = SIZE_UNITS.get(unit.lower() if unit else "b")
     if scale is None:
-        raise ValueError(f"invalid size {text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB "
-                         "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+        raise ValueError(f"invalid size {text!r}: unknown unit {unit!r}; use {_UNIT_NAMES}")
     value = Fraction(number) * scale
-    if value.denominator != 1:
-        raise ValueError(f"invalid size {text!r}: not a whole number of bytes ({float(value)})")
+    if not unit:
+        # GPU sizes are tens of GiB: a small number was meant in GiB, a larger one in MiB.
+        guess = f"{number}GiB (or {number}GB)" if value <= 4096 else f"{number}MiB"
+        if value.denominator != 1:
+            raise ValueError(f"invalid size {text!r}: a number without a unit counts bytes and must "
+                             f"be whole; add a unit, e.g. {guess}")
+        if value < MIN_BARE_BYTES:
+            raise ValueError(f"invalid size {text!r}: a number without a unit counts bytes, and "
+                             f"{int(value):,} bytes is less than 1 MiB; add a unit, e.g. {guess}")
+    if scale == 1 and value.denominator != 1:
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    value = int(value)          # rounded down to a whole byte
     if value <= 0:
         raise ValueError(f"invalid size {text!r}: the device needs at least one byte")
     if value >= 1 << 64:
         raise ValueError(f"invalid size {text!r}: at most 2**64 - 1 bytes")
-    return int(value)
+    return value
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that the exit-status table keeps its own line breaks."""
+
+    def _fill_text(self, text, width, indent):
+        if text is EXIT_STATUSES:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a usage error is one line on stderr (and exit status 2),
+    like every other bad input, instead of the usage text and the message."""
+
+    def error(self, message):
+        self.exit(2, f"pyalloc: error: {message} (see {self.prog} --help)\n")
 
 
 def _size_arg(text):
@@ -136,11 +178,20 @@ def _warn(message: str) -> None:
 
 def _load_trace(path: str, device: int):
     """The snapshot dict and its trace entries, or CliError with SnapshotError's message."""
-    from pyalloc.replay import trace_entries
+    from pyalloc.replay import trace_devices, trace_entries
     from pyalloc.snapshot import SnapshotError, load
 
     try:
         snapshot = load(path)
+    except SnapshotError as err:
+        raise CliError(str(err)) from None
+    devices = trace_devices(snapshot)
+    if devices and device not in devices:
+        held = ", ".join(map(str, devices))
+        raise CliError(f"--device {device}: {path} holds no allocator trace for device {device}; it "
+                       f"holds traces for device{'s' if len(devices) > 1 else ''} {held} "
+                       f"(try --device {devices[0]})")
+    try:
         entries = trace_entries(snapshot, device)
     except SnapshotError as err:
         raise CliError(str(err)) from None
@@ -186,31 +237,26 @@ def _pct(part, whole):
 
 # -- replay -----------------------------------------------------------------------------------------
 
-def _dump_writer(path: str):
-    """A callable(allocator) that writes the allocator's snapshot to `path`, or CliError when this
-    pyalloc has no snapshot writer yet."""
-    from pyalloc import snapshot as snapshot_module
-    from pyalloc.allocator import CachingAllocator
-
-    dump = getattr(snapshot_module, "dump", None)
-    if not callable(dump) or not callable(getattr(CachingAllocator, "snapshot", None)):
-        raise CliError("--dump is not available yet: this pyalloc has no snapshot writer "
-                       "(pyalloc.snapshot.dump and CachingAllocator.snapshot)")
+def _check_dump_path(path: str) -> None:
+    """CliError, before any work, when --dump's folder does not exist."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise CliError(f"--dump {path!r}: folder {folder!r} does not exist")
 
-    def write(allocator):
-        try:
-            dump(allocator.snapshot(), path)
-        except OSError as err:
-            raise CliError(f"--dump {path!r}: {err.strerror or err}") from None
-    return write
+
+def _write_dump(snapshot: dict, path: str) -> None:
+    from pyalloc import snapshot as snapshot_module
+
+    try:
+        snapshot_module.dump(snapshot, path)
+    except OSError as err:
+        raise CliError(f"--dump {path!r}: {err.strerror or err}") from None
 
 
 def _cmd_replay(args) -> int:
     from pyalloc.errors import format_bytes
     from pyalloc.replay import DEFAULT_DEVICE_MEMORY, replay
+    from pyalloc.snapshot import SnapshotError
     from pyalloc.tune import _settings_key, recorded_config
 
     snapshot, entries = _load_trace(args.trace, args.device)
@@ -234,12 +280,16 @@ def _cmd_replay(args) -> int:
         except CliError:
             same = False
         placement = "recorded" if same else "fresh"
-    on_finish = _dump_writer(args.dump) if args.dump else None
+    if args.dump:
+        _check_dump_path(args.dump)
     device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
     with _Progress("replay", "ev") as bar:
         try:
+            # --dump records the replay's own history: its snapshot is a timeline of the replay.
             result = replay(snapshot, config=config, placement=placement, device_memory=device_memory,
-                            device=args.device, progress=bar, on_finish=on_finish)
+                            device=args.device, progress=bar, history=bool(args.dump))
+        except SnapshotError as err:   # a corrupt trace entry
+            raise CliError(f"{args.trace}: {err}") from None
         except RuntimeError as err:
             if placement != "recorded":
                 raise
@@ -247,6 +297,8 @@ def _cmd_replay(args) -> int:
             # trace's segment sequence does not fit this replay.
             raise CliError(f"replay at the trace's addresses failed ({err}); "
                            "try --placement fresh") from None
+    if args.dump:
+        _write_dump(result.snapshot, args.dump)
     _wrapped_warning(result.wrapped)
     out = result.as_dict()
     out.update(trace=args.trace, device=args.device, device_memory=device_memory,
@@ -269,6 +321,9 @@ def _cmd_replay(args) -> int:
         line(name, f"{format_bytes(value)} ({value:,} bytes)")
     line("reserved / requested", f"{r.reserved_over_requested:.4f}" if r.peak_requested else "-")
     line("device allocations", f"{r.num_device_alloc:,}")
+    line("allocation retries", f"{r.num_alloc_retries:,}" + (
+        "  (failed device allocations retried after freeing cached blocks)"
+        if r.num_alloc_retries else ""))
     line("out-of-memory events", f"{r.num_ooms:,}" + (
         "  (each failed allocation was skipped, and the replay went on)" if r.num_ooms else ""))
     if placement == "recorded":
@@ -278,7 +333,7 @@ def _cmd_replay(args) -> int:
         line("at the trace's address", "- (fresh placement)")
     line("speed", f"{r.events_per_second:,.0f} events/s ({r.events:,} events in {r.seconds:.3f} s)")
     if args.dump:
-        line("snapshot written to", args.dump)
+        line("history written to", f"{args.dump} (the replay's events and final segments)")
     return 0
 
 
@@ -303,42 +358,53 @@ def _cmd_tune(args) -> int:
             result = tune(args.trace, grid=grid, configs=args.config or (), jobs=args.jobs,
                           device_memory=args.device_memory, device=args.device, progress=bar,
                           snapshot=snapshot)
-        except SnapshotError as err:
-            raise CliError(str(err)) from None
+        except SnapshotError as err:   # a corrupt trace entry
+            raise CliError(f"{args.trace}: {err}") from None
     _wrapped_warning(result.wrapped)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
         print(format_report(result))
+    if result.best is None:
+        print(f"pyalloc: error: no setting could be replayed ({len(result.failed)} failed, "
+              f"{len(result.skipped)} skipped)", file=sys.stderr)
+        return 1
     return 0
 
 
 # -- entry point ------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from pyalloc import __version__
+
+    parser = _Parser(
         prog="pyalloc",
         description="PyTorch's CUDA caching allocator on a simulated device: replay a recorded "
-                    "memory snapshot and find the allocator settings that reserve least.")
+                    "memory snapshot and find the allocator settings that reserve least.",
+        epilog=EXIT_STATUSES, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pyalloc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("trace", metavar="TRACE",
                         help="memory snapshot (.pickle or .pickle.gz) recorded with "
                              "torch.cuda.memory._record_memory_history(enabled='all')")
     common.add_argument("--device-memory", type=_size_arg, default=None, metavar="SIZE",
-                        help="simulated device size: bytes, or a number with a unit: KB, MB, GB, "
-                             "TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024); "
-                             "default 80GiB. Out-of-memory events count against it")
+                        help="simulated device size: a number with a unit, e.g. 80GiB, 13.7GiB, "
+                             "40GB: KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB and K, "
+                             "M, G, T powers of 1024 (80G means 80GiB); decimals are rounded down "
+                             "to a byte. A number without a unit counts bytes and must be at least "
+                             "1 MiB (1048576). Default 80GiB. Out-of-memory events count against it")
     common.add_argument("--device", type=_device_arg, default=0, metavar="N",
                         help="which device's trace to replay (default 0)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
 
-    p = sub.add_parser("replay", parents=[common],
+    p = sub.add_parser("replay", parents=[common], epilog=EXIT_STATUSES,
+                       formatter_class=_HelpFormatter,
                        help="replay a trace under one setting and print its figures",
                        description="Replay a trace's allocations and frees through pyalloc and print "
                                    "peak reserved/allocated/requested bytes, device allocations, "
-                                   "out-of-memory events and replay speed.")
+                                   "allocation retries, out-of-memory events and replay speed.")
     p.add_argument("--config", default=None, metavar="STR",
                    help="allocator setting string (PYTORCH_CUDA_ALLOC_CONF syntax); default: the "
                         "trace's own")
@@ -346,13 +412,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recorded: new segments at the trace's addresses (reproduces PyTorch's "
                         "figures); fresh: where the simulated device puts them. Default: recorded "
                         "under the trace's own setting, fresh under another")
-    p.add_argument("--dump", default=None, metavar="PATH", help="write pyalloc's final snapshot here")
+    p.add_argument("--dump", default=None, metavar="PATH",
+                   help="record the replay's own memory history and write its snapshot here: every "
+                        "alloc, free and segment event of the replay (a timeline that python -m "
+                        "torch.cuda._memory_viz trace_plot draws; it reads .pickle, not .gz) and "
+                        "the final segments")
     p.set_defaults(func=_cmd_replay)
 
-    t = sub.add_parser("tune", parents=[common],
+    t = sub.add_parser("tune", parents=[common], epilog=EXIT_STATUSES,
+                       formatter_class=_HelpFormatter,
                        help="replay a trace under a grid of settings and rank them",
                        description="Replay a trace under a grid of allocator settings in parallel, "
-                                   "print them sorted by peak reserved memory, and end with the best "
+                                   "rank them (settings that fit the device first, by peak reserved "
+                                   "memory; those that ran out of memory below), and end with the best "
                                    "as a PYTORCH_CUDA_ALLOC_CONF line. The trace's own setting is the "
                                    "baseline: it is replayed at the trace's addresses (PyTorch's own "
                                    "figures) and, like every other setting, with fresh placement; the "

@@ -11,6 +11,8 @@ from cpython.object cimport PyObject
 from pyalloc._types cimport ActiveMap, Block
 from pyalloc._backend cimport BACKEND_OOM
 from pyalloc._core cimport DeviceCachingAllocator
+from pyalloc._policy cimport kMaxRequest
+from pyalloc._validate cimport exact_int_to_u64
 
 
 # ------------------------------------------------------------------------------- trace scan
@@ -49,42 +51,145 @@ cdef inline bint leading_fields(dict d, object k_action, object k_addr, object k
     return True
 
 
+# What scan_trace does with an entry, by action.
+cdef enum:
+    SCAN_SKIP = 0            # oom, snapshot, anything else: not read by the replay
+    SCAN_CHECK = 1           # alloc, free_requested, free_completed, segment_free, segment_unmap
+    SCAN_SEGMENT_ALLOC = 2   # checked, and its (addr, size) collected
+    SCAN_SEGMENT_MAP = 3     # checked, and its addr collected
+
+
+cdef int scan_kind(object action) except -1:
+    if action == "segment_alloc":
+        return SCAN_SEGMENT_ALLOC
+    if action == "segment_map":
+        return SCAN_SEGMENT_MAP
+    if (action == "alloc" or action == "free_requested" or action == "free_completed"
+            or action == "segment_free" or action == "segment_unmap"):
+        return SCAN_CHECK
+    return SCAN_SKIP
+
+
+cdef extern from "_pyint.h":
+    # The same helper, on a borrowed pointer: the checks below then take no references.
+    int borrowed_int_to_u64 "pyalloc::exact_int_to_u64"(PyObject* o, unsigned long long* out) noexcept
+    bint PyLong_CheckExact(PyObject* o) noexcept
+
+
+cdef inline bint trace_u64(PyObject* value) noexcept:
+    """value is an exact int in [0, 2**64): the fast path of the field checks."""
+    cdef unsigned long long x
+    return PyLong_CheckExact(value) and borrowed_int_to_u64(value, &x) == 0
+
+
+cdef inline bint trace_size(PyObject* value) noexcept:
+    """value is an exact int in [0, 2**60) (kMaxRequest, the largest size the core handles)."""
+    cdef unsigned long long x
+    return (PyLong_CheckExact(value) and borrowed_int_to_u64(value, &x) == 0
+            and x < <unsigned long long>kMaxRequest)
+
+
+cdef int bad_trace_field(Py_ssize_t i, object action, str field, object value) except -1:
+    """Accept an int subclass in range (returns 0), else raise the ValueError naming entry and field."""
+    cdef unsigned long long x
+    cdef bint size = field == "size"
+    expected = "an int number of bytes in [0, 2**60)" if size else "an int in [0, 2**64)"
+    if isinstance(value, int) and not isinstance(value, bool):
+        if exact_int_to_u64(value, &x) == 0 and (not size or x < <unsigned long long>kMaxRequest):
+            return 0
+        raise ValueError(f"trace entry {i} ({action}): {field} {int(value)} is out of range, "
+                         f"expected {expected}")
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    raise ValueError(f"trace entry {i} ({action}): {field} is {type(value).__name__} {text}, "
+                     f"expected {expected}")
+
+
+_NO_FIELD = object()              # d.get's default: tells a missing field from a None one
+
+
+cdef int missing_trace_field(Py_ssize_t i, object action, str field) except -1:
+    raise ValueError(f"trace entry {i} ({action}) has no {field!r}")
+
+
 def scan_trace(list entries):
     """One pass over trace entries: ([(addr, size) of each segment_alloc], [addr of each segment_map]).
 
     The replay places new segments from the first list and expandable reservations from the second.
+    The same pass checks what the replay reads: every entry is a dict with an "action"; alloc,
+    free_requested, free_completed and segment_* entries have an int "addr" in [0, 2**64), an int
+    "size" in [0, 2**60) and, when present, an int "stream" in [0, 2**64) (missing: stream 0, as
+    the replay reads it). Anything else raises ValueError naming the entry index and the field.
     """
     cdef Py_ssize_t i, n = len(entries)
+    cdef object entry
     cdef dict d
     cdef PyObject* fields[4]
     segment_allocs = []
     segment_maps = []
     k_action, k_addr, k_size, k_stream = trace_key_objects(entries)
-    # Action names are shared string objects in unpickled traces: remember up to eight that are
-    # neither of the two we look for, and skip those by identity.
-    cdef PyObject* other_names[8]
-    cdef int known_others = 0, j
-    cdef bint skip
+    # Action names are shared string objects in unpickled traces: remember the kind of the first
+    # eight name objects seen and recognise those by identity (they are kept alive by the list).
+    cdef PyObject* names[8]
+    cdef int kinds[8]
+    cdef int known = 0, j, kind
+    cdef bint leading
     for i in range(n):
-        d = entries[i]
-        if leading_fields(d, k_action, k_addr, k_size, k_stream, fields):
+        entry = entries[i]
+        if type(entry) is not dict:
+            raise ValueError(f"trace entry {i} is a {type(entry).__name__}, expected a dict")
+        d = <dict>entry
+        leading = leading_fields(d, k_action, k_addr, k_size, k_stream, fields)
+        if leading:
             action = <object>fields[0]
         else:
-            action = d[k_action]
-        skip = False
-        for j in range(known_others):
-            if <PyObject*>action == other_names[j]:
-                skip = True
+            action = d.get(k_action)
+            if action is None:
+                raise ValueError(f"trace entry {i} has no 'action'")
+        kind = -1
+        for j in range(known):
+            if <PyObject*>action == names[j]:
+                kind = kinds[j]
                 break
-        if skip:
+        if kind < 0:
+            kind = scan_kind(action)
+            if known < 8:
+                names[known] = <PyObject*>action
+                kinds[known] = kind
+                known += 1
+        if kind == SCAN_SKIP:
             continue
-        if action == "segment_alloc":
-            segment_allocs.append((d[k_addr], d[k_size]))
-        elif action == "segment_map":
-            segment_maps.append(d[k_addr])
-        elif known_others < 8:
-            other_names[known_others] = <PyObject*>action   # kept alive by the entries list
-            known_others += 1
+        if leading:
+            # The common case: three borrowed values, no references taken unless one is bad.
+            if not trace_u64(fields[1]):
+                bad_trace_field(i, action, "addr", <object>fields[1])
+            if not trace_size(fields[2]):
+                bad_trace_field(i, action, "size", <object>fields[2])
+            if not trace_u64(fields[3]):
+                bad_trace_field(i, action, "stream", <object>fields[3])
+            if kind == SCAN_SEGMENT_ALLOC:
+                segment_allocs.append((<object>fields[1], <object>fields[2]))
+            elif kind == SCAN_SEGMENT_MAP:
+                segment_maps.append(<object>fields[1])
+            continue
+        v_addr = d.get(k_addr, _NO_FIELD)
+        v_size = d.get(k_size, _NO_FIELD)
+        v_stream = d.get(k_stream, 0)
+        if v_addr is _NO_FIELD:
+            missing_trace_field(i, action, "addr")
+        if v_size is _NO_FIELD:
+            missing_trace_field(i, action, "size")
+        if not trace_u64(<PyObject*>v_addr):
+            bad_trace_field(i, action, "addr", v_addr)
+        if not trace_size(<PyObject*>v_size):
+            bad_trace_field(i, action, "size", v_size)
+        if not trace_u64(<PyObject*>v_stream):
+            bad_trace_field(i, action, "stream", v_stream)
+        if kind == SCAN_SEGMENT_ALLOC:
+            segment_allocs.append((v_addr, v_size))
+        elif kind == SCAN_SEGMENT_MAP:
+            segment_maps.append(v_addr)
     return segment_allocs, segment_maps
 
 

@@ -54,15 +54,36 @@ class ReplayResult:
         return out
 
 
+def trace_devices(snapshot):
+    """The device ordinals whose allocator trace in a snapshot dict is not empty."""
+    return [i for i, t in enumerate(snapshot.get("device_traces") or []) if t]
+
+
 def trace_entries(snapshot, device=0):
-    """The trace of `device` in a snapshot dict, or SnapshotError when it has none."""
+    """The trace of `device` in a snapshot dict, or SnapshotError when it has none (naming the
+    devices whose traces it holds, when there are any)."""
     traces = snapshot.get("device_traces") or []
     if device >= len(traces) or not traces[device]:
+        others = trace_devices(snapshot)
+        if others:
+            raise SnapshotError(
+                f"the snapshot holds no allocator trace for device {device}; it holds traces for "
+                f"device{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}")
         raise SnapshotError(
             "the snapshot holds no allocator trace for device "
             f"{device}: record it with torch.cuda.memory._record_memory_history(enabled='all') "
             "(enabled='state' or no history keeps no trace)")
     return traces[device]
+
+
+def check_trace(entries, device=0):
+    """scan_trace(entries), with a corrupt entry reported as SnapshotError naming the device, the
+    entry index and the field (an entry that is not a dict, a missing action, an addr, size or
+    stream that is not an int in range)."""
+    try:
+        return scan_trace(entries)
+    except ValueError as err:
+        raise SnapshotError(f"corrupt snapshot: device {device} {err}") from None
 
 
 def looks_wrapped(entries):
@@ -98,7 +119,7 @@ def recorded_reservations(snapshot, map_addrs, device_memory, device=0):
 
 
 def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None,
-           on_finish=None, history=False):
+           on_finish=None, history=False, check=True):
     """Replay a snapshot's allocation stream through a CachingAllocator on a SimDevice.
 
     Args:
@@ -116,6 +137,10 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         history: True records the replay's own memory history (enabled="all", context=None,
             every event kept) and puts the allocator's final snapshot in ReplayResult.snapshot.
             Off by default: the replay loop then records nothing.
+        check: True (the default) checks every entry before the replay (see check_trace) and
+            raises SnapshotError for a corrupt one. False skips that pass under fresh placement,
+            for a trace already checked (tune checks once for all its replays); recorded
+            placement always scans, and so checks, the trace.
     Returns a ReplayResult.
     """
     if placement not in ("recorded", "fresh"):
@@ -131,8 +156,9 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     started = time.perf_counter()
     # Fresh segments go top-down: best fit's address tie-breaks then match PyTorch's runs.
     sim = SimDevice(device_memory, device=device, top_down=placement == "fresh")
+    if placement == "recorded" or check:
+        segment_allocs, segment_maps = check_trace(entries, device)
     if placement == "recorded":
-        segment_allocs, segment_maps = scan_trace(entries)
         sim.place_segments(segment_allocs)
         sim.place_reservations(recorded_reservations(snapshot, segment_maps, device_memory, device))
     alloc = CachingAllocator(device, backend=sim, config=config)

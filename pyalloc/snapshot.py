@@ -320,7 +320,7 @@ class _PlainUnpickler(pickle.Unpickler):
 def load(path):
     """Read a PyTorch or pyalloc snapshot (.pickle or .pickle.gz) and return its dict.
 
-    Compression is detected from the content, not the name. A bare list (an old
+    Compression is detected from the content, not the name. A bare list of dicts (an old
     torch.cuda.memory_snapshot() segment list) is wrapped as {"segments": list, "device_traces": []},
     as torch.cuda._memory_viz does. Raises TypeError for a path that is not str/PathLike, and
     SnapshotError (a ValueError) naming the file for anything unreadable or not a snapshot:
@@ -344,12 +344,16 @@ def load(path):
         raise SnapshotError(f"{path!r} is not a memory snapshot: {err}") from None
     except Exception as err:  # pickle raises many types for non-pickle input
         raise SnapshotError(f"{path!r} is not a memory snapshot (not a pickle: {type(err).__name__}: {err})") from err
-    if isinstance(data, list):
+    if isinstance(data, list) and all(isinstance(s, dict) for s in data):
         data = {"segments": data, "device_traces": []}
     if not isinstance(data, dict) or "segments" not in data:
+        got = type(data).__name__
+        if isinstance(data, list):
+            kinds = sorted({type(s).__name__ for s in data if not isinstance(s, dict)})
+            got = f"a list of {', '.join(kinds)} (an old snapshot's bare list holds segment dicts)"
         raise SnapshotError(
             f"{path!r} is a pickle but not a memory snapshot: expected a dict with 'segments', "
-            f"got {type(data).__name__}")
+            f"got {got}")
     _check_shape(path, data)
     return data
 

@@ -2,7 +2,8 @@
 
 `tune(trace)` replays one allocation stream under many PYTORCH_CUDA_ALLOC_CONF settings on the
 simulated device and ranks them by peak reserved memory (bytes), the figure that decides whether a
-run fits on its GPU.
+run fits on its GPU; settings that ran out of memory on the simulated device rank below every one
+that fits (rank_key).
 
 Placement, and why the table compares fresh replays:
   * The trace's own setting is replayed twice. With *recorded placement* (new segments at the
@@ -33,13 +34,16 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import re
 import shlex
+import textwrap
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from pyalloc.config import CudaAllocatorConfig
 from pyalloc.errors import format_bytes
-from pyalloc.replay import DEFAULT_DEVICE_MEMORY, ReplayResult, looks_wrapped, replay, trace_entries
+from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, ReplayResult, check_trace, looks_wrapped, replay,
+                            trace_entries)
 from pyalloc.snapshot import load
 
 GRIDS = ("default", "wide")
@@ -151,9 +155,10 @@ class TuneRow:
 
 @dataclass
 class TuneResult:
-    """What tune() found. rows: the fresh-placement replays that ran, sorted by peak reserved
-    (then device allocations, then grid order); baseline: the trace's own setting at the recorded
-    addresses; skipped / failed: rows that did not run; best: the row to recommend."""
+    """What tune() found. rows: the fresh-placement replays that ran, ranked (see rank_key):
+    the settings that fit the device first, by peak reserved, then those that ran out of memory,
+    by fewest out-of-memory events; baseline: the trace's own setting at the recorded addresses;
+    skipped / failed: rows that did not run; best: the row to recommend (the first row)."""
     trace: str
     device: int
     device_memory: int             # bytes of the simulated device
@@ -222,10 +227,18 @@ def _json_safe(value):
 _worker_snapshot = None
 
 
+# The fields of a final segment that recorded placement reads (replay.recorded_reservations): the
+# base addresses of the trace's expandable segments, where their reservations go.
+_PLACEMENT_FIELDS = ("address", "total_size", "device", "segment_type", "is_expandable")
+
+
 def _slim(snapshot: dict) -> dict:
-    # A worker needs the traces and settings only; dropping `segments` (blocks, frames) saves
-    # memory in every worker.
-    return {"segments": [], "device_traces": snapshot.get("device_traces") or [],
+    # A worker needs the traces, the settings and, for recorded placement of expandable segments,
+    # where those segments were; dropping the rest of `segments` (blocks, frames) saves memory in
+    # every worker.
+    segments = [{k: seg[k] for k in _PLACEMENT_FIELDS if k in seg}
+                for seg in snapshot.get("segments") or [] if seg.get("is_expandable")]
+    return {"segments": segments, "device_traces": snapshot.get("device_traces") or [],
             "allocator_settings": snapshot.get("allocator_settings")}
 
 
@@ -239,8 +252,9 @@ def _replay_job(job):
     """Replay one setting on the worker's trace: (index, ReplayResult or None, skipped, error)."""
     index, config, placement, device_memory, device = job
     try:
+        # tune() checked the trace once before handing out the jobs.
         result = replay(_worker_snapshot, config=config, placement=placement,
-                        device_memory=device_memory, device=device)
+                        device_memory=device_memory, device=device, check=False)
     except NotImplementedError as err:
         return index, None, True, str(err) or "not implemented"
     except Exception as err:  # noqa: BLE001 -- one failing setting must not lose the others
@@ -300,9 +314,20 @@ def _collect(jobs, workers, total, progress, pool_args, results):
 
 # -- the search -------------------------------------------------------------------------------------
 
+def rank_key(result: ReplayResult, order: int = 0):
+    """How tune ranks replays: every setting that fits the device (no out-of-memory event) above
+    every one that does not; those that fit by peak reserved, then device allocations; those that
+    ran out of memory by fewest out-of-memory events, then peak reserved (their failed allocations
+    were skipped, so their peaks undercount what they would need); then `order` (grid order)."""
+    if result.num_ooms == 0:
+        return (0, 0, result.peak_reserved, result.num_device_alloc, order)
+    return (1, result.num_ooms, result.peak_reserved, result.num_device_alloc, order)
+
+
 def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, device=0,
          progress=None, snapshot=None) -> TuneResult:
-    """Replay a trace under a grid of allocator settings and rank them by peak reserved bytes.
+    """Replay a trace under a grid of allocator settings and rank them (rank_key: the settings
+    that fit the device by peak reserved bytes, then those that ran out of memory).
 
     Args:
         trace: path to a snapshot (.pickle / .pickle.gz) or a snapshot dict.
@@ -317,7 +342,8 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
             load it again; worker processes still load it from the path.
     The trace's own setting is the baseline, replayed at the recorded addresses and fresh; every
     other setting is replayed fresh (see the module docstring for why). Raises SnapshotError for
-    a file that is not a snapshot or holds no trace for `device`.
+    a file that is not a snapshot, holds no trace for `device` or has a corrupt trace entry
+    (checked once here, before any replay).
     """
     if jobs is None:
         jobs = os.cpu_count() or 1
@@ -332,6 +358,7 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     if snapshot is None:
         snapshot = trace if isinstance(trace, dict) else load(trace)
     entries = trace_entries(snapshot, device)
+    check_trace(entries, device)
     own = recorded_config(snapshot)
 
     rows: list[TuneRow] = []
@@ -373,12 +400,8 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         for row in ran:
             row.saving = reference.peak_reserved - row.result.peak_reserved
     order = {id(r): i for i, r in enumerate([own_fresh] + rows)}
-    ran.sort(key=lambda r: (r.result.peak_reserved, r.result.num_device_alloc, order[id(r)]))
-    best = None
-    if ran:
-        no_oom = [r for r in ran if r.result.num_ooms == 0]
-        best = no_oom[0] if no_oom else min(
-            ran, key=lambda r: (r.result.num_ooms, r.result.peak_reserved, order[id(r)]))
+    ran.sort(key=lambda r: rank_key(r.result, order[id(r)]))
+    best = ran[0] if ran else None
     not_run = [r for r in [baseline, own_fresh] + rows if r.result is None]
     return TuneResult(
         trace=str(trace) if not isinstance(trace, dict) else "<snapshot>", device=device,
@@ -392,86 +415,163 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
 
 # -- the table --------------------------------------------------------------------------------------
 
+WIDTH = 100      # the report's lines fit this many columns (the final PYTORCH_CUDA_ALLOC_CONF line
+                 # and an unbreakable trace path excepted)
+
+
 def _label(config: str) -> str:
     return config if config else "(defaults)"
 
 
-def _signed_bytes(n: int) -> str:
-    return ("-" if n < 0 else "+" if n > 0 else "") + format_bytes(abs(n))
+def change_words(delta: int, fraction: float | None = None) -> str:
+    """A difference in bytes (positive: less than the reference) in words: '284.00 MiB less
+    (2.1%)', '5.51 GiB more (96.7%)', 'the same'."""
+    if delta == 0:
+        return "the same"
+    text = f"{format_bytes(abs(delta))} {'less' if delta > 0 else 'more'}"
+    if fraction is not None:
+        text += f" ({abs(fraction):.1%})"
+    return text
 
 
-def format_table(result: TuneResult) -> str:
-    """The ranking as text: one row per setting, sorted by peak reserved, then the best line."""
+def _wrap_setting(text: str, width: int) -> list[str]:
+    """A setting string in lines of at most `width` columns, broken after commas; continuation
+    lines leave room for a two-space indent. A piece longer than a line is cut after its last ':'
+    or '_' that fits (else anywhere)."""
     lines = []
-    headers = ("setting", "peak reserved", "/requested", "saving vs own", "device allocs", "OOMs")
+    for piece in re.split(r"(?<=,)", text):
+        if lines and len(lines[-1]) + len(piece) <= (width if len(lines) == 1 else width - 2):
+            lines[-1] += piece
+            continue
+        while True:
+            room = width if not lines else width - 2
+            cut = room
+            if len(piece) > room:
+                cut = max(piece.rfind(":", 0, room), piece.rfind("_", 0, room)) + 1 or room
+            lines.append(piece[:cut])
+            piece = piece[cut:]
+            if not piece:
+                break
+    return lines or [""]
+
+
+def format_table(result: TuneResult, width: int = WIDTH) -> str:
+    """The ranking as text, in lines of at most `width` columns: one row per setting, numbered,
+    the settings that fit the device first; the ones that ran out of memory under a divider,
+    marked '!'; the trace's own setting marked '*'; notes on both under the table."""
+    headers = (("", "#"), ("", "setting"), ("peak", "reserved"), ("vs the trace's", "own setting"),
+               ("reserved/", "requested"), ("device", "allocs"), ("", "OOMs"))
     body = []
-    for row in result.rows:
+    for rank, row in enumerate(result.rows, 1):
         r = row.result
+        mark = ("*" if row.own else "") + ("!" if r.num_ooms else "")
         ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
-        if row.saving is None:
-            saving = "-"
+        if row.own:
+            change = "(reference)"
+        elif row.saving is None:
+            change = "-"
         else:
-            frac = row.saving_fraction
-            saving = _signed_bytes(row.saving) + (f" ({frac:+.1%})" if frac is not None else "")
-        body.append(((" * " if row.own else "   ") + _label(row.config), format_bytes(r.peak_reserved),
-                     ratio, saving, f"{r.num_device_alloc:,}", f"{r.num_ooms:,}"))
-    widths = [max(len(h) + (3 if i == 0 else 0), *(len(b[i]) for b in body)) if body else len(h)
-              for i, h in enumerate(headers)]
-    head = ["   " + headers[0]] + list(headers[1:])
-    fmt = lambda cells: "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])
-                                  for i, c in enumerate(cells)).rstrip()
-    lines.append(fmt(head))
-    lines.append("-" * len(lines[-1]))
-    lines += [fmt(b) for b in body]
+            change = change_words(row.saving, row.saving_fraction)
+        body.append((f"{rank}{mark}", _label(row.config), format_bytes(r.peak_reserved), change,
+                     ratio, f"{r.num_device_alloc:,}", f"{r.num_ooms:,}",
+                     r.num_ooms > 0))
+    widths = [max([len(h[0]), len(h[1])] + [len(b[i]) for b in body]) for i, h in enumerate(headers)]
+    # One space after the rank, two between the other columns.
+    fixed = sum(widths) - widths[1] + 1 + 2 * (len(headers) - 2)
+    widths[1] = max(min(widths[1], width - fixed), 12)
+
+    def fmt(cells):
+        out = [cells[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(cells[2:], widths[2:])]
+        return (cells[0].ljust(widths[0]) + " " + "  ".join(out)).rstrip()
+
+    lines = [fmt([h[0] for h in headers]), fmt([h[1] for h in headers])]
+    total = max(len(lines[0]), len(lines[1]))
+    lines.append("-" * total)
+    ooms = [b for b in body if b[-1]]
+    for cells in body:
+        if cells is (ooms[0] if ooms else None):
+            note = (f" these ran out of memory on the {format_bytes(result.device_memory)} device "
+                    "(see ! below) ")
+            side = max(total - len(note), 4)
+            lines.append("-" * (side // 2) + note + "-" * (side - side // 2))
+        setting = _wrap_setting(cells[1], widths[1])
+        lines.append(fmt([cells[0], setting[0], *cells[2:7]]))
+        lines += [fmt(["", "  " + more]) for more in setting[1:]]
+    lines.append("-" * total)
+    notes = []
     if any(r.own for r in result.rows):
-        lines.append(" *  the trace's own setting; savings are against its row")
+        notes.append(" *  the trace's own setting, replayed fresh like the others: the reference "
+                     "of \"vs the trace's own setting\"")
+    if ooms:
+        notes.append(f" !  OUT OF MEMORY: {len(ooms)} of {len(body)} settings ran out of memory on the "
+                     f"{format_bytes(result.device_memory)} device. Each failed allocation was "
+                     "skipped, so their peaks undercount what they would need: they rank below "
+                     "every setting that fits, fewest out-of-memory events first.")
+    for note in notes:
+        lines.append(textwrap.fill(note, width, subsequent_indent="    ", break_long_words=False,
+                                   break_on_hyphens=False))
     return "\n".join(lines)
+
+
+def _para(text: str, width: int = WIDTH) -> str:
+    return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def format_report(result: TuneResult) -> str:
     """The whole human-readable report of `pyalloc tune`: header, table, skipped, best line."""
-    out = [f"trace {result.trace}: {result.events:,} events, {result.allocations:,} allocations, "
-           f"device {result.device}; simulated device of {format_bytes(result.device_memory)} "
-           f"({result.device_memory:,} bytes)"]
+    out = [_para(f"trace {result.trace}: {result.events:,} events, {result.allocations:,} "
+                 f"allocations, device {result.device}; simulated device of "
+                 f"{format_bytes(result.device_memory)} ({result.device_memory:,} bytes)")]
     if result.wrapped:
-        out.append("the trace starts in the middle of the run (wrapped ring buffer or late start): "
-                   "the figures cover only the recorded window")
+        out.append(_para("the trace starts in the middle of the run (wrapped ring buffer or late "
+                         "start): the figures cover only the recorded window"))
     base = result.baseline
     if base.result is not None:
         b = base.result
-        out.append(f"trace's own setting {_label(base.config)}, replayed at the trace's addresses: "
-                   f"peak reserved {format_bytes(b.peak_reserved)}, allocated "
-                   f"{format_bytes(b.peak_allocated)}, requested {format_bytes(b.peak_requested)}, "
-                   f"{b.num_device_alloc:,} device allocations, {b.address_matches:,} of "
-                   f"{b.allocations:,} allocations at PyTorch's address")
+        text = (f"trace's own setting {_label(base.config)}, replayed at the trace's addresses: "
+                f"peak reserved {format_bytes(b.peak_reserved)}, allocated "
+                f"{format_bytes(b.peak_allocated)}, requested {format_bytes(b.peak_requested)}, "
+                f"{b.num_device_alloc:,} device allocations, {b.address_matches:,} of "
+                f"{b.allocations:,} allocations at PyTorch's address")
+        if b.num_alloc_retries:
+            text += (f", {b.num_alloc_retries:,} allocation "
+                     f"retr{'y' if b.num_alloc_retries == 1 else 'ies'} (device allocations that "
+                     "failed and were retried after freeing cached blocks)")
+        if b.num_ooms:
+            text += f", {b.num_ooms:,} OUT-OF-MEMORY events"
+        out.append(_para(text))
     else:
-        out.append(f"trace's own setting {_label(base.config)} was not replayed: {base.error}")
-    out.append("The table replays every setting with fresh placement (segments where the simulated "
-               "device puts them), the own setting included, so that savings come from the settings "
-               "and not from where the driver put segments.")
+        out.append(_para(f"trace's own setting {_label(base.config)} was not replayed: {base.error}"))
+    out.append(_para("The table replays every setting with fresh placement (segments where the "
+                     "simulated device puts them), the own setting included, so that the "
+                     "differences come from the settings and not from where the driver put "
+                     "segments."))
     effect = result.placement_effect
     if effect:
-        out.append(f"Placement alone changes the own setting's peak reserved by {_signed_bytes(effect)} "
-                   "(fresh vs recorded addresses): savings smaller than that say little.")
+        out.append(_para(f"Placement alone changes the own setting's peak reserved: fresh "
+                         f"placement reserves {change_words(-effect)} than at the trace's addresses; "
+                         "smaller differences say little."))
     out.append("")
-    out.append(format_table(result))
+    if result.rows:
+        out.append(format_table(result))
     for row in result.skipped:
-        out.append(f"skipped {_label(row.config)}: {row.error}")
+        out.append(_para(f"skipped {_label(row.config)}: {row.error}"))
     for row in result.failed:
-        out.append(f"failed  {_label(row.config)}: {row.error}")
+        out.append(_para(f"failed  {_label(row.config)}: {row.error}"))
     out.append("")
     if result.best is None:
         out.append("no setting could be replayed")
         return "\n".join(out)
     best = result.best
     if not result.best_avoids_oom:
-        out.append(f"every setting ran out of memory on a {format_bytes(result.device_memory)} device; "
-                   "the one with the fewest out-of-memory events:")
+        out.append(_para(f"every setting ran out of memory on a {format_bytes(result.device_memory)} "
+                         "device; the one with the fewest out-of-memory events:"))
     elif best.own:
         out.append("the trace's own setting is already the best of this grid:")
     else:
-        out.append(f"best: {_label(best.config)}, peak reserved {format_bytes(best.result.peak_reserved)}"
-                   + (f", {_signed_bytes(best.saving)} against the trace's own setting"
-                      if best.saving is not None else "") + ":")
+        out.append(_para(
+            f"best: {_label(best.config)}, peak reserved {format_bytes(best.result.peak_reserved)}"
+            + (f" ({change_words(best.saving)} than the own setting)" if best.saving else "")
+            + ":"))
     out.append(result.best_line())
     return "\n".join(out)

@@ -6,12 +6,14 @@ the .json beside each) and tests/data (GPT-2 and ResNet-50 runs, PyTorch's figur
 torch-peaks.jsonl; see tests/data/README.md). Both are in the repository, so every test here
 runs in a plain clone. The rest runs on small synthetic traces built here.
 """
+import argparse
 import gzip
 import io
 import json
 import os
 import pickle
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from pyalloc import __main__ as cli
 from pyalloc import tune as tune_module
 from pyalloc.allocator import CachingAllocator
 from pyalloc.config import CudaAllocatorConfig
+from pyalloc.errors import format_bytes
 from pyalloc.replay import looks_wrapped, replay
 from pyalloc.snapshot import load
 from pyalloc._sim import SimDevice
@@ -112,6 +115,42 @@ def assert_one_line_error(rc, out, err, *fragments):
 
 def without_timings(d):
     return {k: v for k, v in d.items() if k not in TIMING_KEYS}
+
+
+def run_cli(cwd, *argv):
+    """`python -m pyalloc ARGV` in a subprocess, run in `cwd` (outside the source tree, so that a
+    checkout's pyalloc/ does not shadow the installed package)."""
+    return subprocess.run([sys.executable, "-m", "pyalloc", *map(str, argv)], capture_output=True,
+                          text=True, timeout=120, cwd=cwd)
+
+
+def assert_one_line_failure(proc, status, *fragments):
+    """Exit status `status`, nothing on stdout, and stderr one `pyalloc: error:` line, no traceback."""
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pyalloc: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def expandable_snapshot(seed=0, steps=300):
+    """A snapshot pyalloc recorded under expandable_segments:True: its trace maps pages into the
+    two pools' reservations, whose bases are in the final `segments`."""
+    rng = random.Random(seed)
+    alloc = CachingAllocator(0, backend=SimDevice(8 * GiB), config="expandable_segments:True")
+    alloc.record_memory_history(context=None)
+    live = []
+    for _ in range(steps):
+        if live and rng.random() < 0.45:
+            alloc.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(alloc.malloc(rng.choice((rng.randrange(1, MiB), rng.randrange(MiB, 64 * MiB)))))
+    snap = alloc.snapshot()
+    snap["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    return snap
 
 
 # -- replay ---------------------------------------------------------------------------------------------
@@ -282,6 +321,77 @@ def test_help_exits_zero(capsys):
     assert "--device-memory" in out and "GiB" in out
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["replay", "--help"], ["tune", "--help"]],
+                         ids=["pyalloc", "replay", "tune"])
+def test_help_documents_the_exit_statuses(capsys, argv):
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0
+    table = out[out.index("exit statuses:"):]
+    for status in ("0 ", "1 ", "2 ", "130 "):
+        assert f"\n  {status}" in table, status
+
+
+def test_version_prints_pyalloc_and_its_version(tmp_path):
+    import importlib.metadata
+    import pyalloc
+    proc = run_cli(tmp_path, "--version")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout == f"pyalloc {pyalloc.__version__}\n"
+    assert pyalloc.__version__ == importlib.metadata.version("pyalloc")
+
+
+def test_replay_text_shows_allocation_retries(capsys, tmp_path):
+    # On a 100 MiB device a freed 60 MiB segment stays cached; the 70 MiB request then fails at
+    # the device, the cache is freed and the request retried: one retry, no out-of-memory event.
+    entries = [{"action": "alloc", "addr": 1 << 32, "size": 60 * MiB, "stream": 0},
+               {"action": "free_requested", "addr": 1 << 32, "size": 60 * MiB, "stream": 0},
+               {"action": "free_completed", "addr": 1 << 32, "size": 60 * MiB, "stream": 0},
+               {"action": "alloc", "addr": 2 << 32, "size": 70 * MiB, "stream": 0}]
+    path = write_snapshot(tmp_path / "t.pickle.gz", {"segments": [], "device_traces": [entries]})
+    data, _ = run_json(capsys, "replay", path, "--device-memory", "100MiB")
+    assert (data["num_alloc_retries"], data["num_ooms"]) == (1, 0)
+    rc, out, _ = run(capsys, "replay", path, "--device-memory", "100MiB")
+    line = next(l for l in out.splitlines() if l.startswith("allocation retries:"))
+    assert line.split()[2] == "1"
+
+
+def test_dump_writes_the_replays_own_history(capsys, trace_file, tmp_path):
+    # A timeline of the replay (what trace_plot draws), not only its final state.
+    target = tmp_path / "replay.pickle"
+    data, _ = run_json(capsys, "replay", trace_file, "--dump", target)
+    dumped = load(target)
+    events = dumped["device_traces"][0]
+    actions = [e["action"] for e in events]
+    replayed = synthetic_snapshot()["device_traces"][0]
+    assert actions.count("alloc") == data["allocations"] == sum(e["action"] == "alloc" for e in replayed)
+    assert actions.count("free_completed") == sum(e["action"] == "free_completed" for e in replayed)
+    assert actions.count("segment_alloc") == data["num_device_alloc"] > 0
+    ours = [e["size"] for e in events if e["action"] == "alloc"]
+    assert ours == [e["size"] for e in replayed if e["action"] == "alloc"]
+    assert sum(seg["total_size"] for seg in dumped["segments"]) == data["final_reserved"]
+
+
+def test_dump_is_drawn_by_memory_viz_trace_plot(tmp_path, trace_file):
+    pytest.importorskip("torch")
+    target = tmp_path / "replay.pickle"
+    assert run_cli(tmp_path, "replay", trace_file, "--dump", target).returncode == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(target),
+                           "-o", str(tmp_path / "replay.html")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "replay.html").stat().st_size > 0
+
+
+@needs_traces
+def test_dump_of_a_real_trace_holds_pytorchs_events(tmp_path):
+    target = tmp_path / "replay.pickle"
+    proc = run_cli(tmp_path, "replay", RESNET, "--dump", target)
+    assert proc.returncode == 0, proc.stderr
+    ours = [(e["action"], e["addr"], e["size"], e["stream"]) for e in load(target)["device_traces"][0]]
+    theirs = [(e["action"], e["addr"], e["size"], e["stream"]) for e in load(RESNET)["device_traces"][0]]
+    assert ours == theirs
+
+
 # -- errors ---------------------------------------------------------------------------------------------
 
 def test_missing_file_is_one_line_error(capsys, tmp_path):
@@ -328,7 +438,7 @@ def test_setting_the_allocator_cannot_replay_is_one_line_error(capsys, trace_fil
                           "cannot be replayed", "not in this build")
 
 
-@pytest.mark.parametrize("value", ["80XB", "abc", "-5", "0", "0GiB", "1.5", "1e9", "80 G", ""])
+@pytest.mark.parametrize("value", ["80XB", "abc", "-5", "0", "0GiB", "1.5", "1e9", "80 XiB", ""])
 def test_bad_device_memory_is_rejected(capsys, trace_file, value):
     rc, out, err = run(capsys, "replay", trace_file, "--device-memory", value)
     assert rc == 2 and out == ""
@@ -374,6 +484,95 @@ def test_dump_into_a_missing_folder_is_one_line_error(capsys, trace_file, tmp_pa
     monkeypatch.setattr(CachingAllocator, "snapshot", lambda self: {}, raising=False)
     assert_one_line_error(*run(capsys, "replay", trace_file, "--dump", tmp_path / "no" / "x.pickle"),
                           "does not exist")
+
+
+CORRUPT = [("size", "big"), ("size", -5), ("size", 2**64 - 100), ("size", 2**60), ("addr", -1),
+           ("addr", 2**64), ("stream", "s"), ("stream", -1)]
+
+
+def corrupt_trace(tmp_path, field, value, index=3):
+    snapshot = synthetic_snapshot()
+    entries = snapshot["device_traces"][0]
+    entries[index] = dict(entries[index], **{field: value})
+    return write_snapshot(tmp_path / "corrupt.pickle.gz", snapshot)
+
+
+@pytest.mark.parametrize("field, value", CORRUPT, ids=[f"{f}={v}" for f, v in CORRUPT])
+def test_replay_of_a_corrupt_entry_is_one_line_error_naming_index_and_field(tmp_path, field, value):
+    path = corrupt_trace(tmp_path, field, value)
+    assert_one_line_failure(run_cli(tmp_path, "replay", path), 2, path, "trace entry 3", f" {field} ")
+
+
+def test_tune_of_a_corrupt_entry_is_one_line_error_naming_index_and_field(tmp_path):
+    path = corrupt_trace(tmp_path, "size", "big")
+    assert_one_line_failure(run_cli(tmp_path, "tune", path, "--jobs", "2"), 2,
+                            "trace entry 3", "size is str 'big'")
+
+
+@pytest.mark.parametrize("placement", ["recorded", "fresh"])
+def test_library_replay_refuses_sizes_of_2_to_the_60_and_more(tmp_path, placement):
+    from pyalloc.snapshot import SnapshotError
+    snapshot = synthetic_snapshot()
+    snapshot["device_traces"][0][0]["size"] = 2**64 - 100
+    with pytest.raises(SnapshotError, match=r"trace entry 0 \(alloc\): size 18446744073709551516 is out of range"):
+        replay(snapshot, placement=placement)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ([1, 2], "trace entry 1 is a list, expected a dict"),
+    ({"addr": 1, "size": 2}, "trace entry 1 has no 'action'"),
+    ({"action": "alloc", "size": 2}, "trace entry 1 (alloc) has no 'addr'"),
+    ({"action": "segment_alloc", "addr": 1}, "trace entry 1 (segment_alloc) has no 'size'"),
+    ({"action": "free_completed", "addr": 1, "size": 2.0, "stream": 0},
+     "trace entry 1 (free_completed): size is float 2.0, expected an int number of bytes in [0, 2**60)"),
+    ({"action": "segment_map", "addr": 1, "size": True, "stream": 0}, "size is bool True"),
+])
+def test_scan_trace_names_the_entry_and_the_field(entry, message):
+    from pyalloc._replay import scan_trace
+    good = {"action": "alloc", "addr": 1, "size": 2, "stream": 0}
+    with pytest.raises(ValueError) as info:
+        scan_trace([good, entry])
+    assert message in str(info.value)
+
+
+def test_scan_trace_accepts_the_largest_valid_values_and_skips_other_actions():
+    from pyalloc._replay import scan_trace
+    top = 2**64 - 1
+    entries = [{"action": "segment_alloc", "addr": top, "size": 2**60 - 1, "stream": top},
+               {"action": "segment_map", "addr": 0, "size": 0},      # no stream: stream 0
+               {"action": "oom", "addr": "anything", "size": -1},    # not read by the replay
+               {"action": "snapshot", "addr": 0, "size": 2**70}]
+    assert scan_trace(entries) == ([(top, 2**60 - 1)], [0])
+
+
+def test_tune_exits_nonzero_when_every_setting_failed(capsys, trace_file, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+    monkeypatch.setattr(tune_module, "replay", broken)
+    rc, out, err = run(capsys, "tune", trace_file, "--config", "max_split_size_mb:64", "--jobs", "1")
+    assert rc == 1
+    assert "failed  max_split_size_mb:64: RuntimeError: simulated failure" in out
+    assert err.splitlines() == ["pyalloc: error: no setting could be replayed (3 failed, 0 skipped)"]
+
+
+def test_device_the_trace_lacks_is_one_line_error_naming_the_devices_it_holds(tmp_path, trace_file):
+    for command in ("replay", "tune"):
+        assert_one_line_failure(run_cli(tmp_path, command, trace_file, "--device", "1"), 2,
+                                "no allocator trace for device 1", "traces for device 0",
+                                "--device 0")
+
+
+def test_pickled_list_is_not_a_snapshot(tmp_path):
+    path = tmp_path / "list.pickle"
+    path.write_bytes(pickle.dumps([1, 2]))
+    proc = run_cli(tmp_path, "replay", path)
+    assert_one_line_failure(proc, 2, "is a pickle but not a memory snapshot", "a list of int")
+    assert "'segments' is not a list" not in proc.stderr
+
+
+def test_usage_error_is_one_line(tmp_path, trace_file):
+    assert_one_line_failure(run_cli(tmp_path, "replay", trace_file, "--bogus"), 2, "--bogus")
+    assert_one_line_failure(run_cli(tmp_path, "frobnicate"), 2, "frobnicate")
 
 
 # -- wrapped traces -------------------------------------------------------------------------------------
@@ -450,6 +649,39 @@ def test_parse_size_binary_and_decimal_units_differ():
     assert cli.parse_size("85899345920") == 80 * 2**30
 
 
+def test_device_memory_without_a_unit_below_a_mib_is_an_error_that_suggests_a_unit(tmp_path, trace_file):
+    proc = run_cli(tmp_path, "replay", trace_file, "--device-memory", "80")
+    assert_one_line_failure(proc, 2, "--device-memory", "'80'", "80GiB")
+    assert run_cli(tmp_path, "replay", trace_file, "--device-memory", str(MiB)).returncode == 0
+
+
+def test_parse_size_takes_decimals_with_a_unit_rounded_down_to_a_byte():
+    assert cli.parse_size("13.7GiB") == 137 * 2**30 // 10
+    assert cli.parse_size("0.5KiB") == 512
+    assert cli.parse_size("1.0000001KB") == 1000
+
+
+def test_parse_size_reads_a_bare_k_m_g_t_as_powers_of_1024():
+    for letter, unit in zip("kmgt", ("KiB", "MiB", "GiB", "TiB")):
+        assert cli.parse_size(f"80{letter}") == cli.parse_size(f"80{letter.upper()}") == cli.parse_size(f"80{unit}")
+    assert cli.parse_size("13.7G") == cli.parse_size("13.7GiB")
+
+
+def test_help_says_how_sizes_are_read(capsys):
+    rc, out, _ = run(capsys, "tune", "--help")
+    text = " ".join(out.split())
+    assert "80G means 80GiB" in text and "at least 1 MiB (1048576)" in text
+
+
+def test_every_size_option_is_read_by_parse_size():
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sized = [(name, action) for name, sub in subparsers.choices.items() for action in sub._actions
+             if action.metavar == "SIZE"]
+    assert {name for name, _ in sized} == {"replay", "tune"}
+    assert all(action.type is cli._size_arg for _, action in sized)
+
+
 @pytest.mark.parametrize("text", ["", "GiB", "1.5", "0.0001KB", "80 Gb ps", "12XB", "-1GiB", "0", "inf",
                                   str(2**64)])
 def test_parse_size_rejects_with_the_text_named(text):
@@ -462,6 +694,37 @@ def test_parse_size_rejects_with_the_text_named(text):
 
 SMALL_GRID = ["max_split_size_mb:64", "max_split_size_mb:256", "roundup_power2_divisions:4",
               "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"]
+
+
+def table_rows(out):
+    """The first line of each row of tune's table."""
+    lines = out.splitlines()
+    head = next(i for i, l in enumerate(lines) if l.startswith("#"))
+    rows = []
+    for line in lines[head + 2:]:
+        if set(line) == {"-"}:
+            break
+        if line[:1].isdigit():
+            rows.append(line)
+    return rows
+
+
+def table_settings(out):
+    """The setting column of tune's table, in order, with each row's continuation lines joined."""
+    lines = out.splitlines()
+    head = next(i for i, l in enumerate(lines) if l.startswith("#"))
+    col = lines[head].index("setting")
+    settings = []
+    for line in lines[head + 2:]:
+        if set(line) == {"-"}:
+            break
+        if line.startswith("-"):          # the divider above the settings that ran out of memory
+            continue
+        if line[:col].strip():
+            settings.append(line[col:].split()[0])
+        else:
+            settings[-1] += line[col:].strip()
+    return settings
 
 
 def tune_json(capsys, path, *extra):
@@ -478,10 +741,7 @@ def test_tune_table_is_sorted_by_peak_reserved(capsys, trace_file):
     assert len(set(peaks)) > 1            # the grid really changes the figures
     rc, out, _ = run(capsys, "tune", trace_file, *sum((["--config", c] for c in SMALL_GRID), []),
                      "--jobs", "1")
-    lines = out.splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith("-" * 20)) + 1
-    shown = [l[3:].split()[0] for l in lines[start:start + len(data["results"])]]
-    assert shown == [r["config"] or "(defaults)" for r in data["results"]]
+    assert table_settings(out) == [r["config"] or "(defaults)" for r in data["results"]]
 
 
 def test_tune_rows_are_the_fresh_replays_of_each_setting(capsys, trace_file):
@@ -550,6 +810,47 @@ def test_tune_jobs_1_and_2_give_the_same_results(capsys, trace_file):
     assert strip(one) == strip(two)
 
 
+def test_tune_jobs_2_replays_expandable_segments_at_the_trace_addresses(capsys, tmp_path):
+    # Workers need the final segments' expandable bases to place the reservations there.
+    path = write_snapshot(tmp_path / "exp.pickle.gz", expandable_snapshot())
+    one, _ = run_json(capsys, "tune", path, "--config", "max_split_size_mb:64", "--jobs", "1")
+    two, _ = run_json(capsys, "tune", path, "--config", "max_split_size_mb:64", "--jobs", "2")
+    assert two["baseline"]["address_matches"] == two["baseline"]["allocations"] > 0
+    assert without_timings(two["baseline"]) == without_timings(one["baseline"])
+    assert [without_timings(r) for r in two["results"]] == [without_timings(r) for r in one["results"]]
+
+
+@needs_traces
+@pytest.mark.parametrize("workload", ["resnet_train", "gpt2_train"])
+def test_tune_jobs_2_gives_the_figures_of_jobs_1_on_an_expandable_trace(tmp_path, workload):
+    path = TRACES / f"{workload}-expandable.pickle.gz"
+    outs = []
+    for jobs in ("1", "2"):
+        proc = run_cli(tmp_path, "tune", path, "--config", "max_split_size_mb:128", "--jobs", jobs, "--json")
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(proc.stdout))
+    one, two = outs
+    assert two["baseline"]["address_matches"] == two["baseline"]["allocations"]
+    assert without_timings(two["baseline"]) == without_timings(one["baseline"])
+    assert [without_timings(r) for r in two["results"]] == [without_timings(r) for r in one["results"]]
+
+
+@needs_traces
+def test_tune_gpt2_on_a_14GB_device_ranks_a_setting_that_fits_first(capsys):
+    path = TRACES / "gpt2_train-default.pickle.gz"
+    data, _ = run_json(capsys, "tune", path, "--device-memory", "14GB", "--jobs", "2")
+    ooms = [r["num_ooms"] for r in data["results"]]
+    assert ooms[0] == 0 and any(ooms)
+    fits = [n == 0 for n in ooms]
+    assert fits == sorted(fits, reverse=True)        # every row that fits above every one that not
+    assert [n for n in ooms if n] == sorted(n for n in ooms if n)    # then fewest OOMs first
+    rc, out, _ = run(capsys, "tune", path, "--device-memory", "14GB", "--jobs", "2")
+    rows = table_rows(out)
+    assert not rows[0].split()[0].endswith("!")
+    assert [r.split()[0].endswith("!") for r in rows] == [n > 0 for n in ooms]
+    assert all(len(l) <= 100 for l in out.splitlines())
+
+
 def test_tune_skips_a_repeat_of_the_own_setting(capsys, trace_file):
     data, _ = run_json(capsys, "tune", trace_file, "--config", "", "--config", "max_split_size_mb:64",
                        "--config", "max_split_size_mb:64,", "--jobs", "1")
@@ -592,17 +893,79 @@ def one_alloc_trace(tmp_path, size):
     return write_snapshot(tmp_path / "one.pickle.gz", {"segments": [], "device_traces": [entries]})
 
 
-def test_tune_best_skips_settings_that_run_out_of_memory(capsys, tmp_path):
+def test_tune_ranks_settings_that_fit_above_those_that_run_out_of_memory(capsys, tmp_path):
     # One 65 MiB request: by default a 66 MiB segment (2 MiB rounding); with
     # roundup_power2_divisions:2 it rounds to 96 MiB, more than an 80 MiB device holds. That
-    # failed setting reserves nothing, so it sorts first, but the best line must not name it.
+    # failed setting reserves nothing, the lowest peak, but it ranks below the one that fits.
     path = one_alloc_trace(tmp_path, 65 * MiB)
     data, _ = run_json(capsys, "tune", path, "--config", "roundup_power2_divisions:2",
                        "--device-memory", "80MiB", "--jobs", "1")
     first, second = data["results"]
-    assert (first["config"], first["num_ooms"], first["peak_reserved"]) == ("roundup_power2_divisions:2", 1, 0)
-    assert (second["config"], second["num_ooms"], second["peak_reserved"]) == ("", 0, 66 * MiB)
+    assert (first["config"], first["num_ooms"], first["peak_reserved"]) == ("", 0, 66 * MiB)
+    assert (second["config"], second["num_ooms"], second["peak_reserved"]) == ("roundup_power2_divisions:2", 1, 0)
     assert data["best"] == "" and data["best_avoids_oom"] is True
+    rc, out, _ = run(capsys, "tune", path, "--config", "roundup_power2_divisions:2",
+                     "--device-memory", "80MiB", "--jobs", "1")
+    assert table_settings(out) == ["(defaults)", "roundup_power2_divisions:2"]
+
+
+def test_tune_table_marks_out_of_memory_rows_and_says_so_under_the_table(capsys, tmp_path):
+    path = one_alloc_trace(tmp_path, 65 * MiB)
+    rc, out, _ = run(capsys, "tune", path, "--config", "roundup_power2_divisions:2",
+                     "--device-memory", "80MiB", "--jobs", "1")
+    assert rc == 0
+    rows = table_rows(out)
+    assert [r.split()[0] for r in rows] == ["1*", "2!"]          # own setting; out of memory
+    lines = out.splitlines()
+    divider = next(i for i, l in enumerate(lines) if "ran out of memory on the 80.00 MiB device" in l)
+    assert lines.index(rows[0]) < divider < lines.index(rows[1])
+    note = next(l for l in lines if l.startswith(" !  "))
+    assert "OUT OF MEMORY: 1 of 2 settings ran out of memory on the 80.00 MiB device" in note
+    assert lines.index(note) > lines.index(rows[1])
+
+
+def test_tune_table_has_no_out_of_memory_marks_when_every_setting_fits(capsys, trace_file):
+    rc, out, _ = run(capsys, "tune", trace_file, "--config", "max_split_size_mb:64", "--jobs", "1")
+    assert rc == 0
+    assert "!" not in "".join(r.split()[0] for r in table_rows(out))
+    assert "OUT OF MEMORY" not in out and "ran out of memory" not in out
+
+
+def test_tune_report_lines_fit_100_columns(capsys, tmp_path):
+    # The wide grid has the longest names (garbage_collection_threshold:...,per_process_...).
+    path = write_snapshot(tmp_path / "t.pickle.gz", synthetic_snapshot(steps=200))
+    rc, out, _ = run(capsys, "tune", path, "--grid", "wide", "--jobs", "1", "--device-memory", "2GiB")
+    assert rc == 0
+    assert "ran out of memory" in out          # the divider and the note fit too
+    lines = out.rstrip("\n").splitlines()
+    too_long = [l for l in lines[:-1] if len(l) > 100]
+    assert too_long == []
+    assert lines[-1].startswith("PYTORCH_CUDA_ALLOC_CONF=")   # never wrapped: it is pasted whole
+    data, _ = run_json(capsys, "tune", path, "--grid", "wide", "--jobs", "1", "--device-memory", "2GiB")
+    assert table_settings(out) == [r["config"] or "(defaults)" for r in data["results"]]
+
+
+def test_tune_table_column_names_say_what_they_are(capsys, trace_file):
+    rc, out, _ = run(capsys, "tune", trace_file, "--config", "max_split_size_mb:64", "--jobs", "1")
+    lines = out.splitlines()
+    head = next(i for i, l in enumerate(lines) if l.startswith("#"))
+    top, names = lines[head - 1], lines[head]
+    for above, below in (("peak", "reserved"), ("reserved/", "requested"), ("device", "allocs"),
+                         ("vs the trace's", "own setting")):
+        end = names.index(below) + len(below)
+        assert top[:end].rstrip().endswith(above), (above, below)
+    assert "OOMs" in names and "/requested" not in top + names
+
+
+def test_tune_says_more_or_less_instead_of_a_negative_saving(capsys, trace_file):
+    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
+    assert any(r["saving"] < 0 for r in data["results"])      # some setting reserves more
+    rc, out, _ = run(capsys, "tune", trace_file, *sum((["--config", c] for c in SMALL_GRID), []),
+                     "--jobs", "1")
+    assert re.search(r"(^|[\s(])-[0-9]", out) is None, out
+    rank, worse = next((i, r) for i, r in enumerate(data["results"]) if r["saving"] < 0)
+    row = table_rows(out)[rank]
+    assert f"{format_bytes(-worse['saving'])} more ({-worse['saving_fraction']:.1%})" in row
 
 
 def test_tune_says_so_when_every_setting_runs_out_of_memory(capsys, tmp_path):
