@@ -883,7 +883,7 @@ cdef inline Block* lookup_allocated(DeviceCachingAllocator a, uintptr_t ptr) exc
     cdef Block* b = a.active_blocks.get(ptr)
     if b != NULL and b.allocated:
         return b
-    raise_not_allocated(ptr, b != NULL)     # out of line: keeps this path small enough to inline
+    raise_not_allocated(a, ptr, b != NULL)     # out of line: keeps this path small enough to inline
 
 
 cdef inline int allocator_free(DeviceCachingAllocator a, Block* b, uint32_t context_id) except -1:
@@ -910,7 +910,21 @@ cdef inline void free_completed(DeviceCachingAllocator a, Block* b) noexcept:
     commit_free_completed(&a.st, b, 0)
 
 
-cdef Block* raise_not_allocated(uintptr_t ptr, bint known) except NULL:
+cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint known) except NULL:
+    """The error for a pointer that is not a live allocation (lock held; an error path, so it may
+    look at every block): a double free when the address lies in this allocator's free memory
+    (the freed block may have merged with its neighbours since), else a foreign pointer."""
+    cdef vector[Block*] blocks
+    cdef Block* b
+    if not known:
+        collect_blocks(a, &blocks)
+        for b in blocks:
+            if b.mapped and b.ptr <= ptr < b.ptr + b.size:
+                if b.allocated:
+                    raise ValueError(f"pointer {ptr:#x} is inside the allocation at {b.ptr:#x} "
+                                     f"({b.size} bytes), not its start")
+                known = True
+                break
     if known:
         raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
     raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")

@@ -10,7 +10,6 @@ import argparse
 import gzip
 import io
 import json
-import os
 import pickle
 import random
 import re
@@ -39,7 +38,6 @@ PEAKS_FILE = TRACES / "torch-peaks.jsonl"
 PEAKS = [json.loads(line) for line in PEAKS_FILE.read_text().splitlines() if line.strip()]
 # Runs whose setting this pyalloc can replay (expandable runs since expandable segments landed).
 REPLAYABLE = [p for p in PEAKS if tune_module.unsupported_reason(p["conf"]) is None]
-needs_traces = pytest.mark.skipif(not PEAKS, reason=f"no shared traces at {TRACES}")
 RESNET = TRACES / "resnet_train-default.pickle.gz"
 EXAMPLES = REPO / "examples"
 EXAMPLE = EXAMPLES / "small_train.pickle.gz"
@@ -172,7 +170,6 @@ def test_replay_json_figures_are_those_of_the_library_replay(capsys, trace_file)
         assert data[key] == expected[key], key
 
 
-@needs_traces
 @pytest.mark.parametrize("peaks", REPLAYABLE, ids=lambda p: f"{p['workload']}-{p['tag']}")
 def test_replay_recorded_placement_reproduces_torch_peaks(capsys, peaks):
     data, _ = run_json(capsys, "replay", TRACES / f"{peaks['workload']}-{peaks['tag']}.pickle.gz")
@@ -218,7 +215,6 @@ def test_tune_of_the_example_predicts_the_runs_under_other_settings(capsys):
             assert rows[peaks["conf"]][key] == peaks[key], (peaks["conf"], key)
 
 
-@needs_traces
 @pytest.mark.parametrize("workload", ["resnet_train", "gpt2_train"])
 def test_tune_of_a_shared_default_trace_predicts_the_runs_under_other_settings(capsys, workload):
     # Each workload was run under several settings with the same requests; fresh (top-down)
@@ -254,7 +250,6 @@ def test_sim_default_placement_is_still_first_fit_from_the_base():
     assert alloc.malloc(30 * MiB) == 1 << 44
 
 
-@needs_traces
 def test_replay_text_output_shows_every_figure(capsys):
     data, _ = run_json(capsys, "replay", RESNET)
     rc, out, err = run(capsys, "replay", RESNET)
@@ -382,7 +377,6 @@ def test_dump_is_drawn_by_memory_viz_trace_plot(tmp_path, trace_file):
     assert (tmp_path / "replay.html").stat().st_size > 0
 
 
-@needs_traces
 def test_dump_of_a_real_trace_holds_pytorchs_events(tmp_path):
     target = tmp_path / "replay.pickle"
     proc = run_cli(tmp_path, "replay", RESNET, "--dump", target)
@@ -595,7 +589,6 @@ def test_complete_trace_gives_no_warning(capsys, trace_file):
     assert err == ""
 
 
-@needs_traces
 def test_truncated_real_trace_warns_and_replays_the_window(capsys, tmp_path):
     snapshot = load(RESNET)
     entries = snapshot["device_traces"][0]
@@ -820,7 +813,6 @@ def test_tune_jobs_2_replays_expandable_segments_at_the_trace_addresses(capsys, 
     assert [without_timings(r) for r in two["results"]] == [without_timings(r) for r in one["results"]]
 
 
-@needs_traces
 @pytest.mark.parametrize("workload", ["resnet_train", "gpt2_train"])
 def test_tune_jobs_2_gives_the_figures_of_jobs_1_on_an_expandable_trace(tmp_path, workload):
     path = TRACES / f"{workload}-expandable.pickle.gz"
@@ -835,7 +827,6 @@ def test_tune_jobs_2_gives_the_figures_of_jobs_1_on_an_expandable_trace(tmp_path
     assert [without_timings(r) for r in two["results"]] == [without_timings(r) for r in one["results"]]
 
 
-@needs_traces
 def test_tune_gpt2_on_a_14GB_device_ranks_a_setting_that_fits_first(capsys):
     path = TRACES / "gpt2_train-default.pickle.gz"
     data, _ = run_json(capsys, "tune", path, "--device-memory", "14GB", "--jobs", "2")
@@ -987,7 +978,6 @@ def test_tune_device_memory_sets_the_simulated_device(capsys, trace_file):
     assert row["num_ooms"] == expected.num_ooms > 0
 
 
-@needs_traces
 def test_tune_real_trace_over_small_grid_ranks_and_matches_torch_baseline(capsys):
     data, _ = run_json(capsys, "tune", RESNET, "--config", "max_split_size_mb:128",
                        "--config", "roundup_power2_divisions:16", "--jobs", "2")

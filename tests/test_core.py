@@ -1416,3 +1416,40 @@ def test_release_lock_on_cudamalloc_follows_runtime_settings():
     finally:
         pyalloc.set_allocator_settings(before)
     assert seen == [False, True]
+
+
+def test_a_double_free_says_already_freed_after_the_block_merged():
+    _, alloc = make()
+    p = alloc.malloc(512)
+    q = alloc.malloc(512)
+    alloc.free(p)
+    alloc.free(q)                        # q merges into p's free range
+    with pytest.raises(ValueError, match=f"pointer {q:#x} was already freed"):
+        alloc.free(q)
+    alloc._check_invariants()
+
+
+def test_a_double_free_of_a_released_segment_says_not_allocated():
+    _, alloc = make()
+    p = alloc.malloc(512)
+    alloc.free(p)
+    alloc.empty_cache()                  # the memory is the device's again
+    with pytest.raises(ValueError, match="not allocated by this allocator"):
+        alloc.free(p)
+
+
+def test_freeing_the_middle_of_an_allocation_names_its_start():
+    _, alloc = make()
+    p = alloc.malloc(4096)
+    with pytest.raises(ValueError, match=f"inside the allocation at {p:#x}"):
+        alloc.free(p + 512)
+    alloc.free(p)
+
+
+def test_module_level_double_free_says_already_freed():
+    import pyalloc
+    pyalloc.set_default_backend("sim")
+    p = pyalloc.malloc(100)
+    pyalloc.free(p)
+    with pytest.raises(ValueError, match="already freed"):
+        pyalloc.free(p)
