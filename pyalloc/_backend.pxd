@@ -43,8 +43,30 @@ cdef class Backend:
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1     # BACKEND_OOM when no memory
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1
 
-    # Stream capture, for CUDA graphs: returns 1 and fills capture id and terminal nodes (the
-    # nodes new work on the stream will depend on) when the stream is capturing, else 0.
+    # Stream capture, for CUDA graphs (cuStreamBeginCapture .. cuStreamEndCapture).
+    # mode: CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL or CAPTURE_RELAXED (CUstreamCaptureMode's values).
+    # While a stream captures, work queued on it (and on streams that join the capture by waiting
+    # on an event recorded in it) becomes nodes of a graph instead of running; querying or
+    # synchronizing an event or stream of the capture is an error, as in CUDA. Allocating or
+    # freeing device memory (segment_alloc, vm_map, ...) stays legal: a CUDA backend switches the
+    # calling thread to relaxed capture mode around those calls.
+    cdef int capture_begin(self, uintptr_t stream, int mode) except -1
+    # Ends the capture begun on `stream`; *graph receives a graph handle, which the caller owns
+    # (graph_destroy). Raises (and ends the capture) when it is invalid, e.g. a stream that joined
+    # the capture has work that was not joined back into `stream`.
+    cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1
+    cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1   # replay as work on stream
+    cdef int graph_destroy(self, uintptr_t graph) except -1
+    # Returns 1 and fills the capture id and the stream's terminal nodes (the nodes new work on the
+    # stream will depend on: cuStreamGetCaptureInfo's dependencies) when the stream is capturing
+    # (status active), else 0 (not capturing, or the capture was invalidated).
     cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
                           vector[uintptr_t]* terminals) except -1
+    # The nodes a node of a capturing graph depends on (cuGraphNodeGetDependencies).
     cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1
+
+
+cdef enum:
+    CAPTURE_GLOBAL = 0
+    CAPTURE_THREAD_LOCAL = 1
+    CAPTURE_RELAXED = 2

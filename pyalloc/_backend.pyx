@@ -54,6 +54,18 @@ cdef class Backend:
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
 
+    cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot capture streams")
+
+    cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot capture streams")
+
+    cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1:
+        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+
+    cdef int graph_destroy(self, uintptr_t graph) except -1:
+        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+
     cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
                           vector[uintptr_t]* terminals) except -1:
         # A backend without capture support never reports a capturing stream.
@@ -61,3 +73,43 @@ cdef class Backend:
 
     cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no graph nodes")
+
+    # Python access to the capture operations, for the allocator's graph API and for tests.
+
+    def begin_capture(self, stream, mode="global"):
+        """Start capturing `stream` (an int handle) into a graph; mode "global" (default),
+        "thread_local" or "relaxed", as cudaStreamBeginCapture's."""
+        if mode not in CAPTURE_MODES:
+            raise ValueError(f"capture mode must be one of {', '.join(CAPTURE_MODES)}, got {mode!r}")
+        self.capture_begin(stream, CAPTURE_MODES.index(mode))
+
+    def end_capture(self, stream):
+        """End the capture on `stream`; returns the graph's handle (an int)."""
+        cdef uintptr_t graph = 0
+        self.capture_end(stream, &graph)
+        return graph
+
+    def launch_graph(self, graph, stream=0):
+        """Replay a captured graph as work on `stream`."""
+        self.graph_launch(graph, stream)
+
+    def destroy_graph(self, graph):
+        """Release a graph handle from end_capture."""
+        self.graph_destroy(graph)
+
+    def stream_capture_info(self, stream):
+        """(capture id, [terminal nodes]) while `stream` is capturing, else None."""
+        cdef unsigned long long capture_id = 0
+        cdef vector[uintptr_t] terminals
+        if not self.capture_info(stream, &capture_id, &terminals):
+            return None
+        return capture_id, list(terminals)
+
+    def node_parents(self, node):
+        """The nodes a captured node depends on."""
+        cdef vector[uintptr_t] parents
+        self.node_dependencies(node, &parents)
+        return list(parents)
+
+
+CAPTURE_MODES = ("global", "thread_local", "relaxed")     # by CAPTURE_* value
