@@ -9,13 +9,15 @@ from libcpp.pair cimport pair
 from libcpp.map cimport map as cppmap
 from libcpp.unordered_map cimport unordered_map
 
-from pyalloc._types cimport (AllocatorLock, ActiveMap, Block, BlockPool, CoreState, MempoolId,
-                             PrivatePool, Route)
+from libc.stdint cimport uint64_t
+from pyalloc._types cimport (AllocatorLock, ActiveMap, Block, BlockPool, CaptureReuse, CaptureUses,
+                             CoreState, MempoolId, PrivatePool, Route)
 from pyalloc._backend cimport Backend
 
 ctypedef pair[uintptr_t, Block*] EventEntry          # (event, block waiting on it)
 ctypedef deque[EventEntry] EventQueue                 # one stream's events, oldest first
 ctypedef unordered_map[uintptr_t, EventQueue] EventQueues
+ctypedef Block* BlockPtr
 
 
 cdef class DeviceCachingAllocator:
@@ -33,6 +35,10 @@ cdef class DeviceCachingAllocator:
     cdef cppmap[MempoolId, PrivatePool*] graph_pools
     cdef vector[Route] captures_underway              # newest last; scanned newest first
     cdef vector[Block*] deferred_blocks               # freed with stream uses while routing
+    cdef int capture_routes                           # routes of kind ROUTE_CAPTURE active
+    cdef unordered_map[BlockPtr, CaptureUses] capture_uses     # blocks used or freed in a capture
+    cdef unordered_map[uint64_t, CaptureReuse] reuse_contexts  # by capture id (#162186 cache)
+    cdef uint64_t nodes_expanded                      # graph nodes the reuse walks expanded
 
     # memory history
     cdef public bint capture_alloc_stacks              # set by the snapshot layer

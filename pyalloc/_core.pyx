@@ -37,7 +37,7 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF
 import threading
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
-from pyalloc._types cimport (ActiveMap, Block, BlockPool, BlockSet, CoreState, MempoolId,
+from pyalloc._types cimport (ActiveMap, Block, BlockPool, BlockSet, CaptureUses, CoreState, MempoolId,
                              PrivatePool, Route, ROUTE_THREAD, ROUTE_CAPTURE, Stat, TraceEntry,
                              UnmappedSet, stat_allocated, single_freed,
                              stat_freed, stat_reset_accumulated, NUM_STATS, ST_RESERVED_BYTES,
@@ -54,6 +54,7 @@ from pyalloc._state cimport (trace, commit_alloc, commit_free_requested, commit_
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, mapped_bytes,
                                   free_segment_structs)
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
+from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
 from pyalloc.errors import OutOfMemoryError, format_bytes
 
 
@@ -150,6 +151,11 @@ def new_mempool_id(bint user_created):
     if user_created:
         return (0, pyalloc_user_pool_ids.fetch_add(1) + 1)
     return (pyalloc_graph_pool_ids.fetch_add(1) + 1, 0)
+
+
+def stream_handle_of(stream):
+    """The int handle of a stream given as an int or a stream object (as malloc reads it)."""
+    return stream_handle(stream)
 
 
 def current_thread_key():
@@ -267,8 +273,14 @@ cdef class DeviceCachingAllocator:
             divs[i] = divisions[i]
         cdef bint expandable = settings.expandable_segments
         cdef bint release_lock = getattr(settings, "release_lock_on_cudamalloc", False)
+        cdef bint graph_reuse = getattr(settings, "graph_capture_record_stream_reuse", False)
+        cdef bint graph_last_use = getattr(settings, "graph_capture_last_use_marks", False)
+        cdef bint graph_cross = getattr(settings, "graph_capture_cross_stream_reuse", False)
         lock_allocator(self)
         self.st.settings.release_lock_on_malloc = release_lock
+        self.st.settings.graph_reuse = graph_reuse
+        self.st.settings.graph_last_use = graph_last_use
+        self.st.settings.graph_cross_stream_reuse = graph_cross
         self.st.settings.max_split_size = max_split
         self.st.settings.max_non_split_rounding_size = non_split
         self.st.settings.gc_threshold = gc
@@ -328,11 +340,17 @@ cdef class DeviceCachingAllocator:
         """
         release_pointer(self, device_pointer(ptr))
 
-    def record_stream(self, ptr, stream):
+    def record_stream(self, ptr, stream, last_use=False):
         """Declare that the memory at `ptr` is also used on `stream`.
 
         When it is freed, it is not reused until the work queued on `stream` up to the free has
         completed. Using the allocation stream itself is a no-op, as is ptr 0.
+
+        last_use=True, during a CUDA-graph capture, also says that the work captured on `stream`
+        so far is the block's last use there: with graph_capture_last_use_marks:True (a pyalloc
+        option), the block's free marker for `stream` is the stream's terminals now, not at the
+        free, so work captured on `stream` after this call does not delay its reuse. Outside a
+        capture it changes nothing.
         """
         cdef uintptr_t p = device_pointer(ptr)
         cdef uintptr_t s = stream_handle(stream)
@@ -349,6 +367,12 @@ cdef class DeviceCachingAllocator:
                         break
                 else:
                     b.stream_uses.push_back(s)
+                    if self.capture_routes:
+                        # Its work up to now was only captured: after the capture these uses do
+                        # not need events (PyTorch's block_to_cudagraph_stream_uses).
+                        self.capture_uses[b].capture_streams.push_back(s)
+            if last_use and self.capture_routes:
+                mark_last_use(self, b, s)
         finally:
             self.mutex.unlock()
 
@@ -451,6 +475,8 @@ cdef class DeviceCachingAllocator:
                         f"beginAllocateToPool: already recording to mempool_id {tuple(pool_id)}")
             route.pool = create_or_incref_pool(self, pid)
             self.captures_underway.push_back(route)
+            if route.kind == ROUTE_CAPTURE:
+                self.capture_routes += 1
         finally:
             self.mutex.unlock()
 
@@ -465,6 +491,11 @@ cdef class DeviceCachingAllocator:
         try:
             i = find_route(self, pid)
             if i >= 0:
+                if self.captures_underway[i].kind == ROUTE_CAPTURE:
+                    # The capture is over: its reachability cache goes; blocks still deferred
+                    # wait for the post-capture path (events once no route is active).
+                    self.reuse_contexts.erase(self.captures_underway[i].value)
+                    self.capture_routes -= 1
                 self.captures_underway.erase(self.captures_underway.begin() + i)
             else:
                 raise RuntimeError(
@@ -841,8 +872,11 @@ cdef inline int allocator_malloc(DeviceCachingAllocator a, size_t orig_size, uin
 
     Returns 0 with *out set, or BACKEND_OOM with the oom_* figures set.
     """
-    if (a.outstanding_events or not a.deferred_blocks.empty()) and a.captures_underway.empty():
-        process_events(a)
+    if a.captures_underway.empty():
+        if a.outstanding_events or not a.deferred_blocks.empty():
+            process_events(a)
+    elif a.capture_routes and a.st.settings.graph_reuse and not a.deferred_blocks.empty():
+        free_safe_blocks_in_capture(a, stream)
     cdef size_t size = round_size(&a.st.settings, orig_size)
     cdef BlockPool* pool = get_pool(a, size, stream)
     cdef Block* b = get_free_block(&a.st.settings, pool, stream, size)
@@ -894,9 +928,7 @@ cdef inline int allocator_free(DeviceCachingAllocator a, Block* b, uint32_t cont
         if a.captures_underway.empty():
             insert_events(a, b)
         else:
-            # Events belong to a stream's time line, which a route (a capture, a MemPool scope)
-            # may not be on: wait until no route is active, as PyTorch does.
-            a.deferred_blocks.push_back(b)
+            defer_free(a, b)
     commit_free_requested(&a.st, b, context_id)
     if not wait_for_streams:
         a.active_blocks.erase(b.ptr)
@@ -906,6 +938,8 @@ cdef inline int allocator_free(DeviceCachingAllocator a, Block* b, uint32_t cont
 
 cdef inline void free_completed(DeviceCachingAllocator a, Block* b) noexcept:
     """The last event (or deferral) of a freed block is over."""
+    if not a.capture_uses.empty():
+        a.capture_uses.erase(b)
     a.active_blocks.erase(b.ptr)
     commit_free_completed(&a.st, b, 0)
 
@@ -1002,6 +1036,131 @@ cdef size_t private_reserved(DeviceCachingAllocator a) noexcept:
     for entry in a.graph_pools:
         total += entry.second.reserved_bytes
     return total
+
+
+# ------------------------------------------------------------------------------- graph capture
+#
+# While a capture route is active, a block freed with stream uses cannot wait for events (the work
+# was only captured). It is deferred; with graph_capture_record_stream_reuse it gets free markers
+# (the terminals of every stream that used it) and is reused in the capture once every marker
+# precedes the allocating stream's terminals (_graphs.pyx). Otherwise, and for blocks whose markers
+# are never covered, it waits until no route is active, when its captured-only stream uses are
+# dropped and events are recorded for the rest.
+
+cdef int defer_free(DeviceCachingAllocator a, Block* b) except -1:
+    a.deferred_blocks.push_back(b)
+    if a.capture_routes and a.st.settings.graph_reuse:
+        record_free_markers(a, b)
+    return 0
+
+
+cdef int record_free_markers(DeviceCachingAllocator a, Block* b) except -1:
+    """Free markers for b: the terminals of its allocation stream and every stream that used it
+    (or, with graph_capture_last_use_marks, those at a stream's last-use mark). None when one of
+    those streams is not in the same capture: b then waits for the end of the capture."""
+    cdef CaptureUses* uses = &a.capture_uses[b]
+    uses.markers.clear()
+    uses.has_markers = False
+    cdef vector[uintptr_t] streams
+    streams.push_back(b.stream)
+    for s in b.stream_uses:
+        streams.push_back(s)
+    cdef vector[uintptr_t] terminals
+    cdef unsigned long long capture_id = 0, first_id = 0
+    cdef size_t i, j
+    cdef bint marked
+    for i in range(streams.size()):
+        terminals.clear()
+        if not a.backend.capture_info(streams[i], &capture_id, &terminals):
+            uses.markers.clear()
+            return 0
+        if i == 0:
+            first_id = capture_id
+        elif capture_id != first_id:
+            uses.markers.clear()
+            return 0
+        marked = False
+        if a.st.settings.graph_last_use:
+            for j in range(uses.last_use.size()):
+                if uses.last_use[j].first == streams[i]:
+                    add_unique(&uses.markers, uses.last_use[j].second)
+                    marked = True
+                    break
+        if not marked:
+            add_unique(&uses.markers, terminals)
+    uses.has_markers = True
+    return 0
+
+
+cdef int mark_last_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) except -1:
+    """record_stream(..., last_use=True) during a capture: remember the stream's terminals now."""
+    cdef vector[uintptr_t] terminals
+    cdef unsigned long long capture_id = 0
+    if not a.backend.capture_info(stream, &capture_id, &terminals):
+        return 0
+    cdef CaptureUses* uses = &a.capture_uses[b]
+    cdef size_t j
+    for j in range(uses.last_use.size()):
+        if uses.last_use[j].first == stream:
+            uses.last_use[j].second = terminals
+            return 0
+    uses.last_use.push_back(pair[uintptr_t, vector[uintptr_t]](stream, terminals))
+    return 0
+
+
+cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream) except -1:
+    """Free the deferred blocks of `stream` whose markers all precede its terminals (#162186)."""
+    cdef Block* b
+    cdef size_t i
+    cdef bint candidates = False
+    for i in range(a.deferred_blocks.size()):
+        b = a.deferred_blocks[i]
+        if b.stream == stream:
+            it = a.capture_uses.find(b)
+            if it != a.capture_uses.end() and deref(it).second.has_markers:
+                candidates = True
+                break
+    if not candidates:
+        return 0        # nothing to decide: the walk can wait (the ancestor set only grows)
+    cdef vector[uintptr_t] terminals
+    cdef unsigned long long capture_id = 0
+    if not a.backend.capture_info(stream, &capture_id, &terminals) or terminals.empty():
+        return 0
+    visited = &a.reuse_contexts[capture_id].visited[stream]
+    extend_ancestors(a.backend, visited, terminals, &a.nodes_expanded)
+    i = 0
+    while i < a.deferred_blocks.size():
+        b = a.deferred_blocks[i]
+        it = a.capture_uses.find(b)
+        if (b.stream == stream and it != a.capture_uses.end() and deref(it).second.has_markers
+                and all_visited(visited, deref(it).second.markers)):
+            # The graph orders every later use on `stream` after the block's last uses: no event.
+            a.deferred_blocks.erase(a.deferred_blocks.begin() + i)
+            b.stream_uses.clear()
+            free_completed(a, b)
+        else:
+            i += 1
+    return 0
+
+
+cdef void forget_capture_uses(DeviceCachingAllocator a, Block* b) noexcept:
+    """After the capture: drop b's stream uses that were only captured, and its capture record."""
+    it = a.capture_uses.find(b)
+    if it == a.capture_uses.end():
+        return
+    cdef vector[uintptr_t] kept
+    cdef uintptr_t s, c
+    cdef bint captured
+    for s in b.stream_uses:
+        captured = False
+        for c in deref(it).second.capture_streams:
+            if c == s:
+                captured = True
+                break
+        if not captured:
+            kept.push_back(s)
+    b.stream_uses.swap(kept)
+    a.capture_uses.erase(it)
 
 
 # ------------------------------------------------------------------------------- the slow path
@@ -1141,6 +1300,8 @@ cdef int release_private_pools(DeviceCachingAllocator a, bint only_one, MempoolI
     cdef vector[MempoolId] freeable
     cdef PrivatePool* pool
     cdef pair[MempoolId, PrivatePool*] entry
+    if a.capture_routes:
+        return 0        # freeing device memory would invalidate the capture (see release_available...)
     for entry in a.graph_pools:
         if entry.second.use_count <= 0 and (not only_one or entry.first == pid):
             freeable.push_back(entry.first)
@@ -1164,7 +1325,9 @@ cdef int release_available_cached_blocks(DeviceCachingAllocator a, BlockPool* po
     Returns 1 when something was freed. Only meaningful when max_split_size is set.
     """
     cdef size_t max_split = a.st.settings.max_split_size
-    if max_split == kSizeMax:
+    if max_split == kSizeMax or a.capture_routes:
+        # During a capture, freeing a segment would invalidate it: PyTorch does it anyway (#159594,
+        # open in late 2025); pyalloc fails over to the out-of-memory error instead.
         return 0
     cdef Block key
     key.stream = stream
@@ -1203,7 +1366,7 @@ cdef int garbage_collect(DeviceCachingAllocator a) except -1:
     """Release aged unsplit cached segments of the default large pool beyond the GC threshold."""
     cdef size_t threshold_bytes = <size_t>(a.st.settings.gc_threshold
                                            * <double>a.st.settings.allowed_memory_maximum)
-    if a.st.total_allocated_memory <= threshold_bytes:
+    if a.st.total_allocated_memory <= threshold_bytes or a.capture_routes:
         return 0
     cdef size_t target = a.st.total_allocated_memory - threshold_bytes
     cdef size_t reclaimed = 0
@@ -1331,6 +1494,8 @@ cdef int flush_deferred_blocks(DeviceCachingAllocator a) except -1:
     cdef size_t i
     try:
         for i in range(blocks.size()):
+            if not a.capture_uses.empty():
+                forget_capture_uses(a, blocks[i])
             if blocks[i].stream_uses.empty():
                 free_completed(a, blocks[i])
             else:

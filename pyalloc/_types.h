@@ -23,6 +23,8 @@
 #include <pthread.h>
 #include <sched.h>
 #include <set>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <cstdint>
 #include <vector>
@@ -347,6 +349,21 @@ struct Route {
     PrivatePool* pool;
 };
 
+// What the core remembers of a block used or freed while a capture is underway.
+struct CaptureUses {
+    std::vector<uintptr_t> capture_streams;  // streams record_stream added during a capture
+    std::vector<uintptr_t> markers;          // free markers: graph nodes every later use must follow
+    bool has_markers = false;                // markers were recorded (else: wait for capture end)
+    // Last-use marks (record_stream(..., last_use=True)): a stream and its terminals at the mark.
+    std::vector<std::pair<uintptr_t, std::vector<uintptr_t>>> last_use;
+};
+
+// One capture's reachability cache: for each stream, the graph nodes known to precede its
+// terminals. Closed under parents, so a node is expanded at most once per stream and capture.
+struct CaptureReuse {
+    std::unordered_map<uintptr_t, std::unordered_set<uintptr_t>> visited;
+};
+
 // The settings the policy reads (bytes unless noted), copied from a config object.
 struct Settings {
     size_t max_split_size = SIZE_MAX;            // blocks >= this are "oversize"; SIZE_MAX: unlimited
@@ -355,6 +372,9 @@ struct Settings {
     double gc_threshold = 0.0;                   // fraction of allowed_memory_maximum; 0: off
     bool expandable_segments = false;
     bool release_lock_on_malloc = false;         // release_lock_on_cudamalloc
+    bool graph_reuse = false;                    // graph_capture_record_stream_reuse (#162186)
+    bool graph_last_use = false;                 // graph_capture_last_use_marks (pyalloc only)
+    bool graph_cross_stream_reuse = false;       // graph_capture_cross_stream_reuse (pyalloc only)
     size_t allowed_memory_maximum = 0;           // 0: no per-process limit
     double memory_fraction = 1.0;
 };

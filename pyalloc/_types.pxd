@@ -3,6 +3,8 @@
 from libc.stdint cimport uintptr_t, int64_t, uint32_t, int32_t, uint64_t
 from libcpp.vector cimport vector
 from libcpp.pair cimport pair
+from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 
 cdef extern from "_types.h" namespace "pyalloc" nogil:
     cdef cppclass BlockPool
@@ -149,6 +151,15 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
     int64_t stat_freed(Stat* row, int p)
     void stat_reset_accumulated(Stat* s)
 
+    cdef cppclass CaptureUses:
+        vector[uintptr_t] capture_streams
+        vector[uintptr_t] markers
+        bint has_markers
+        vector[pair[uintptr_t, vector[uintptr_t]]] last_use
+
+    cdef cppclass CaptureReuse:
+        unordered_map[uintptr_t, unordered_set[uintptr_t]] visited
+
     cdef cppclass Settings:
         size_t max_split_size
         size_t max_non_split_rounding_size
@@ -156,6 +167,9 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         double gc_threshold
         bint expandable_segments
         bint release_lock_on_malloc
+        bint graph_reuse
+        bint graph_last_use
+        bint graph_cross_stream_reuse
         size_t allowed_memory_maximum
         double memory_fraction
 

@@ -104,6 +104,13 @@ class CachingAllocator(DeviceCachingAllocator):
             raise ValueError(f"{pool!r} is not a MemPool of this allocator (device {self.device})")
         return _pools.use_mem_pool(pool)
 
+    def graph(self, stream, pool=None, capture_error_mode="global"):
+        """A pyalloc.graphs.Graph: `with a.graph(stream) as g:` captures the work queued on
+        `stream` into a CUDA graph whose allocations come from a private pool (see pyalloc.graphs).
+        `pool`: share a pool (graph_pool_handle(), another graph's pool() or a MemPool)."""
+        from pyalloc.graphs import Graph
+        return Graph(self, stream, pool=pool, capture_error_mode=capture_error_mode)
+
     def graph_pool_handle(self):
         """A fresh pool id (0, n) for captures to share a pool (torch.cuda.graph_pool_handle)."""
         return _pools.graph_pool_handle()

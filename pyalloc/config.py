@@ -439,6 +439,11 @@ class CudaAllocatorConfig(AllocatorConfig):
       pinned_num_register_threads: int, a power of 2 <= 128, default 1.
       pinned_reserve_segment_size_mb: MiB, > 0 when given; default 0 (off).
       graph_capture_record_stream_reuse: bool, default False.
+      graph_capture_last_use_marks: bool, default False (pyalloc only): free markers of a stream
+        come from its last record_stream(..., last_use=True) mark in the capture, if any.
+      graph_capture_cross_stream_reuse: bool, default False (pyalloc only): a whole segment freed
+        in a capture may be reused on another stream of it once its markers precede that
+        stream's terminals.
       per_process_memory_fraction: fraction of device memory in [0.0, 1.0], default 1.0.
     """
 
@@ -450,6 +455,8 @@ class CudaAllocatorConfig(AllocatorConfig):
         "pinned_num_register_threads": 1,
         "pinned_reserve_segment_size_mb": 0,
         "graph_capture_record_stream_reuse": False,
+        "graph_capture_last_use_marks": False,
+        "graph_capture_cross_stream_reuse": False,
         "per_process_memory_fraction": 1.0,
     }
 
@@ -469,6 +476,9 @@ class CudaAllocatorConfig(AllocatorConfig):
     _parse_host_register = _bool_setting(
         "pinned_use_cuda_host_register", "pinned_use_hip_host_register")
     _parse_graph_capture_reuse = _bool_setting("graph_capture_record_stream_reuse")
+    # pyalloc's own keys (PyTorch rejects them: put them in PYALLOC_CONF); not in snapshots.
+    _parse_graph_last_use = _bool_setting("graph_capture_last_use_marks")
+    _parse_graph_cross_stream = _bool_setting("graph_capture_cross_stream_reuse")
 
     @_parses("pinned_num_register_threads")
     def _parse_pinned_num_register_threads(self, tok: ConfigTokenizer, i: int, key: str) -> int:
