@@ -545,6 +545,11 @@ cdef class DeviceCachingAllocator:
         self.mutex.unlock()
         return out
 
+    def _capture_stats(self):
+        """Counters of the in-capture reuse walk: nodes_expanded (graph nodes whose parents were
+        asked for, over the allocator's life), deferred_blocks (blocks waiting now)."""
+        return {"nodes_expanded": self.nodes_expanded, "deferred_blocks": self.deferred_blocks.size()}
+
     def private_pool_bytes(self):
         """(reserved, cached): bytes of device memory held by private pools, and of those the
         bytes in cached free blocks (what the OOM message reports as "in private pools")."""
@@ -1108,18 +1113,34 @@ cdef int mark_last_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) exc
     return 0
 
 
+cdef inline bint reusable_on(DeviceCachingAllocator a, Block* b, uintptr_t stream,
+                             PrivatePool* pool) noexcept:
+    """Whether deferred block b is a candidate for reuse by an allocation on `stream` routed to
+    `pool`: a block of that pool with free markers, on `stream` itself (PyTorch's per-stream rule)
+    or, with graph_capture_cross_stream_reuse, a whole non-expandable segment of another stream
+    (it can change streams: no other block shares its segment)."""
+    if b.pool.owner != pool or pool == NULL:
+        return False
+    it = a.capture_uses.find(b)
+    if it == a.capture_uses.end() or not deref(it).second.has_markers:
+        return False
+    if b.stream == stream:
+        return True
+    return (a.st.settings.graph_cross_stream_reuse and b.prev == NULL and b.next == NULL
+            and not b.expandable)
+
+
 cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream) except -1:
-    """Free the deferred blocks of `stream` whose markers all precede its terminals (#162186)."""
+    """Free the deferred blocks whose markers all precede `stream`'s terminals (#162186), so that
+    this allocation can reuse them."""
     cdef Block* b
     cdef size_t i
     cdef bint candidates = False
+    cdef PrivatePool* pool = routed_pool(a, stream)
     for i in range(a.deferred_blocks.size()):
-        b = a.deferred_blocks[i]
-        if b.stream == stream:
-            it = a.capture_uses.find(b)
-            if it != a.capture_uses.end() and deref(it).second.has_markers:
-                candidates = True
-                break
+        if reusable_on(a, a.deferred_blocks[i], stream, pool):
+            candidates = True
+            break
     if not candidates:
         return 0        # nothing to decide: the walk can wait (the ancestor set only grows)
     cdef vector[uintptr_t] terminals
@@ -1131,12 +1152,12 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream)
     i = 0
     while i < a.deferred_blocks.size():
         b = a.deferred_blocks[i]
-        it = a.capture_uses.find(b)
-        if (b.stream == stream and it != a.capture_uses.end() and deref(it).second.has_markers
-                and all_visited(visited, deref(it).second.markers)):
+        if reusable_on(a, b, stream, pool) and all_visited(visited, a.capture_uses[b].markers):
             # The graph orders every later use on `stream` after the block's last uses: no event.
             a.deferred_blocks.erase(a.deferred_blocks.begin() + i)
             b.stream_uses.clear()
+            if b.stream != stream:
+                b.stream = stream       # a whole segment moves to the stream that may use it
             free_completed(a, b)
         else:
             i += 1
