@@ -16,14 +16,25 @@ BACKEND_OOM so that the core can run its release-and-retry ladder.
 
 Driver calls that can block (cuMemAlloc, cuMemFree, which synchronises the device, and the
 synchronize calls) run with the GIL released; the core's own mutex keeps its state consistent.
+
 Wrappers of driver calls are never `noexcept`: with no driver, cydriver raises from the first
 call, and a noexcept function would swallow that and report CUDA_SUCCESS (build notes, pitfall 7).
+
+Stream capture (CUDA graphs): capture_begin/capture_end/graph_launch/graph_destroy wrap
+cuStreamBeginCapture, cuStreamEndCapture, cuGraphInstantiate (once per graph, on its first launch)
+with cuGraphLaunch, and cuGraphExecDestroy with cuGraphDestroy; capture_info and node_dependencies
+read the capture's state for the allocator (cuStreamGetCaptureInfo, cuGraphNodeGetDependencies).
+The calls that get or give back device memory (segments, memory info and the virtual-memory calls)
+switch this thread to relaxed capture mode around the driver call, as PyTorch's
+cudaMallocMaybeCapturing does, so that a new segment can be allocated while a stream captures in
+global mode without invalidating that capture.
 """
 cimport cuda.bindings.cydriver as cydriver
 from libc.stdint cimport uintptr_t
 from libc.string cimport memset
 from libcpp.unordered_map cimport unordered_map
 from libcpp.vector cimport vector
+from cython.operator cimport dereference as deref
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc.errors import CudaError, NoCudaDriverError
@@ -53,6 +64,38 @@ cdef inline int check(cydriver.CUresult result, str call) except -1:
     if result != cydriver.CUDA_SUCCESS:
         raise_error(call, result)
     return 0
+
+
+# ------------------------------------------------------------------- relaxed capture mode
+#
+# While a stream captures in global mode (the default, and what torch.cuda.graph uses), every
+# thread is "prohibited from potentially unsafe API calls": cuMemAlloc, cuMemFree and friends fail
+# with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture. Allocation is not part of
+# the captured work (the allocator hands out memory at capture time and the graph reuses it at
+# every replay), so, like PyTorch's cudaMallocMaybeCapturing, the memory calls below run with this
+# thread switched to relaxed mode and then switched back:
+#
+#     mode = RELAXED; cuThreadExchangeStreamCaptureMode(&mode)   # mode now holds the caller's
+#     ... cuMemAlloc ...
+#     cuThreadExchangeStreamCaptureMode(&mode)                   # the caller's mode is back
+#
+# Cost: two calls per driver memory call, on the slow path only (a cache hit never reaches the
+# backend). cuThreadExchangeStreamCaptureMode swaps a thread-local value in the driver (no lock,
+# no system call, no device work): tens of nanoseconds through cydriver's function pointer, against
+# microseconds to milliseconds for cuMemAlloc/cuMemFree/cuMemMap themselves. The fake-driver tests
+# count exactly two exchanges per segment allocation and none for a cache hit.
+# Exchanging unconditionally is cheaper than asking first whether anything captures (that is a
+# driver call too) and also covers captures begun by other threads, which we cannot see.
+
+cdef inline cydriver.CUresult _relax(cydriver.CUstreamCaptureMode* saved) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    """Switch this thread to relaxed capture mode; *saved receives the mode it had."""
+    saved[0] = cydriver.CU_STREAM_CAPTURE_MODE_RELAXED
+    return cydriver.cuThreadExchangeStreamCaptureMode(saved)
+
+
+cdef inline cydriver.CUresult _unrelax(cydriver.CUstreamCaptureMode saved) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    """Give this thread back the capture mode _relax saved."""
+    return cydriver.cuThreadExchangeStreamCaptureMode(&saved)
 
 
 # ------------------------------------------------------------------------------ driver probe
@@ -159,6 +202,9 @@ cdef class CudaDevice(Backend):
     cdef readonly size_t mapped_bytes          # bytes currently mapped through vm_map
     cdef vector[int] _peers                    # devices that can access this one's memory
     cdef bint _peers_known
+    # Executable graph of each graph launched through graph_launch (instantiated on its first
+    # launch, destroyed with the graph by graph_destroy), by graph handle.
+    cdef unordered_map[uintptr_t, cydriver.CUgraphExec] _graph_execs
 
     def __init__(self, int device=0):
         cdef cydriver.CUdevice dev = 0
@@ -187,9 +233,24 @@ cdef class CudaDevice(Backend):
         if self._retained:
             self._retained = False
             try:
+                self._destroy_graph_execs()
+            except BaseException:
+                pass
+            try:
                 cydriver.cuDevicePrimaryCtxRelease(self._cudevice)
             except BaseException:
                 pass
+
+    cdef int _destroy_graph_execs(self) except -1:
+        """Destroy the cached executable graphs (the graphs stay their owners')."""
+        cdef cydriver.CUresult r, first = cydriver.CUDA_SUCCESS
+        for entry in self._graph_execs:
+            r = cydriver.cuGraphExecDestroy(entry.second)
+            if first == cydriver.CUDA_SUCCESS:
+                first = r
+        self._graph_execs.clear()
+        check(first, "cuGraphExecDestroy")
+        return 0
 
     def close(self):
         """Release the primary context. Raises RuntimeError while segments are still allocated."""
@@ -200,7 +261,10 @@ cdef class CudaDevice(Backend):
                 f"CudaDevice({self.device}) still holds {self.live_segments} segments "
                 f"({self.live_bytes} bytes); free them (empty_cache) before close()")
         self._retained = False
-        check(cydriver.cuDevicePrimaryCtxRelease(self._cudevice), "cuDevicePrimaryCtxRelease")
+        try:
+            self._destroy_graph_execs()
+        finally:
+            check(cydriver.cuDevicePrimaryCtxRelease(self._cudevice), "cuDevicePrimaryCtxRelease")
 
     @property
     def closed(self):
@@ -238,13 +302,20 @@ cdef class CudaDevice(Backend):
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
         cdef cydriver.CUdeviceptr dptr = 0
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
         cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_relax = cydriver.CUDA_SUCCESS, r_unrelax = cydriver.CUDA_SUCCESS
         with nogil:
             r_enter = self._enter(&prev)
             if r_enter == cydriver.CUDA_SUCCESS:
-                r_call = cydriver.cuMemAlloc(&dptr, nbytes)
+                r_relax = _relax(&mode)         # legal while a stream captures (see _relax)
+                if r_relax == cydriver.CUDA_SUCCESS:
+                    r_call = cydriver.cuMemAlloc(&dptr, nbytes)
+                    r_unrelax = _unrelax(mode)
                 r_leave = self._leave(prev)
         check(r_enter, "cuCtxSetCurrent")
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")
+        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         check(r_leave, "cuCtxSetCurrent")
         if r_call == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
             return BACKEND_OOM
@@ -257,30 +328,46 @@ cdef class CudaDevice(Backend):
     cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
         cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_relax = cydriver.CUDA_SUCCESS, r_unrelax = cydriver.CUDA_SUCCESS
         with nogil:
             r_enter = self._enter(&prev)
             if r_enter == cydriver.CUDA_SUCCESS:
-                r_call = cydriver.cuMemFree(<cydriver.CUdeviceptr>ptr)
+                r_relax = _relax(&mode)
+                if r_relax == cydriver.CUDA_SUCCESS:
+                    r_call = cydriver.cuMemFree(<cydriver.CUdeviceptr>ptr)
+                    r_unrelax = _unrelax(mode)
                 r_leave = self._leave(prev)
         check(r_enter, "cuCtxSetCurrent")
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")
         check(r_call, "cuMemFree")
+        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         check(r_leave, "cuCtxSetCurrent")
         self.live_segments -= 1
         self.live_bytes -= nbytes
         return BACKEND_OK
 
     cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
+        # Relaxed too: the core asks for memory info when it creates an expandable segment and
+        # when it reports out of memory, both of which can happen during a capture.
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
         cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_relax = cydriver.CUDA_SUCCESS, r_unrelax = cydriver.CUDA_SUCCESS
         with nogil:
             r_enter = self._enter(&prev)
             if r_enter == cydriver.CUDA_SUCCESS:
-                r_call = cydriver.cuMemGetInfo(free_bytes, total_bytes)
+                r_relax = _relax(&mode)
+                if r_relax == cydriver.CUDA_SUCCESS:
+                    r_call = cydriver.cuMemGetInfo(free_bytes, total_bytes)
+                    r_unrelax = _unrelax(mode)
                 r_leave = self._leave(prev)
         check(r_enter, "cuCtxSetCurrent")
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")
         check(r_call, "cuMemGetInfo")
+        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         check(r_leave, "cuCtxSetCurrent")
         return BACKEND_OK
 
@@ -401,6 +488,183 @@ cdef class CudaDevice(Backend):
         """Destroy an event made by record_event."""
         self.event_destroy(event)
 
+    def wait_event(self, uintptr_t event):
+        """Block until the event has completed (cuEventSynchronize)."""
+        self.event_synchronize(event)
+
+    # ---------------------------------------------------------------- stream capture and graphs
+    #
+    # The allocator never records, queries or synchronizes events while one of its streams
+    # captures; if anything else does, the driver's refusal comes back as a CudaError naming the
+    # call and the result (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, CUDA_ERROR_CAPTURED_EVENT,
+    # CUDA_ERROR_STREAM_CAPTURE_INVALIDATED ...), as for any other failed driver call.
+
+    @property
+    def instantiated_graphs(self):
+        """How many graphs have an executable graph cached (launched, not yet destroyed)."""
+        return self._graph_execs.size()
+
+    cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
+        self._check_open()
+        if mode < 0 or mode > 2:
+            raise ValueError(f"capture mode must be 0 (global), 1 (thread_local) or 2 (relaxed), got {mode}")
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuStreamBeginCapture(<cydriver.CUstream>stream,
+                                                       <cydriver.CUstreamCaptureMode>mode)
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_call, "cuStreamBeginCapture")
+        check(r_leave, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUgraph g = NULL
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuStreamEndCapture(<cydriver.CUstream>stream, &g)
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        if r_call != cydriver.CUDA_SUCCESS and g != NULL:
+            # Not expected (an invalidated capture returns no graph), but never leak one.
+            cydriver.cuGraphDestroy(g)
+        check(r_call, "cuStreamEndCapture")
+        if r_leave != cydriver.CUDA_SUCCESS:
+            cydriver.cuGraphDestroy(g)
+            check(r_leave, "cuCtxSetCurrent")
+        graph[0] = <uintptr_t>g
+        return BACKEND_OK
+
+    cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1:
+        self._check_open()
+        cdef cydriver.CUgraphExec exec_ = NULL
+        cdef cydriver.CUgraphExec other = NULL
+        cdef bint cached = False
+        it = self._graph_execs.find(graph)
+        if it != self._graph_execs.end():
+            exec_ = deref(it).second
+            cached = True
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUresult r_enter, r_inst = cydriver.CUDA_SUCCESS, r_call = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_leave = cydriver.CUDA_SUCCESS
+        if not cached:
+            # Instantiate once, on the first launch (the expensive step: validation, and the
+            # device-side work descriptors), with our context current.
+            with nogil:
+                r_enter = self._enter(&prev)
+                if r_enter == cydriver.CUDA_SUCCESS:
+                    r_inst = cydriver.cuGraphInstantiate(&exec_, <cydriver.CUgraph>graph, 0)
+                    r_leave = self._leave(prev)
+            check(r_enter, "cuCtxSetCurrent")
+            if r_inst == cydriver.CUDA_SUCCESS and r_leave != cydriver.CUDA_SUCCESS:
+                cydriver.cuGraphExecDestroy(exec_)
+            check(r_inst, "cuGraphInstantiate")
+            check(r_leave, "cuCtxSetCurrent")
+            # Another thread may have instantiated the same graph while the GIL was released:
+            # keep the first executable graph, destroy ours.
+            it = self._graph_execs.find(graph)
+            if it != self._graph_execs.end():
+                other = deref(it).second
+                check(cydriver.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
+                exec_ = other
+            else:
+                self._graph_execs[graph] = exec_
+        with nogil:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuGraphLaunch(exec_, <cydriver.CUstream>stream)
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_call, "cuGraphLaunch")
+        check(r_leave, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    cdef int graph_destroy(self, uintptr_t graph) except -1:
+        self._check_open()
+        cdef cydriver.CUgraphExec exec_ = NULL
+        it = self._graph_execs.find(graph)
+        if it != self._graph_execs.end():
+            exec_ = deref(it).second
+            self._graph_execs.erase(it)
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUresult r_enter, r_exec = cydriver.CUDA_SUCCESS, r_graph = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUresult r_leave = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
+                if exec_ != NULL:
+                    r_exec = cydriver.cuGraphExecDestroy(exec_)
+                r_graph = cydriver.cuGraphDestroy(<cydriver.CUgraph>graph)
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_exec, "cuGraphExecDestroy")
+        check(r_graph, "cuGraphDestroy")
+        check(r_leave, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
+                          vector[uintptr_t]* terminals) except -1:
+        # On the allocator's path for every allocation while a capture is underway, so: no
+        # Python objects, no GIL release (the call does not block), and a context switch only
+        # when the caller is on another device. Our context must be current for the stream
+        # handles 0/1/2, which mean "the current context's" default stream.
+        self._check_open()
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUstreamCaptureStatus status = cydriver.CU_STREAM_CAPTURE_STATUS_NONE
+        cdef cydriver.cuuint64_t cid = 0
+        cdef const cydriver.CUgraphNode* deps = NULL
+        # Asked for although unused: without it the query fails (CUDA_ERROR_LOSSY_QUERY) when an
+        # edge carries data, e.g. a programmatic-dependent-launch edge.
+        cdef const cydriver.CUgraphEdgeData* edges = NULL
+        cdef size_t n = 0, i
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        r_enter = self._enter(&prev)
+        if r_enter == cydriver.CUDA_SUCCESS:
+            r_call = cydriver.cuStreamGetCaptureInfo(<cydriver.CUstream>stream, &status, &cid, NULL,
+                                                     &deps, &edges, &n)
+            if r_call == cydriver.CUDA_SUCCESS and status == cydriver.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+                # Copied before _leave: the driver's array is valid until the next call on the stream.
+                terminals[0].resize(n)
+                for i in range(n):
+                    terminals[0][i] = <uintptr_t>deps[i]
+            r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_call, "cuStreamGetCaptureInfo")
+        check(r_leave, "cuCtxSetCurrent")
+        if status != cydriver.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            terminals[0].clear()
+            return 0                            # not capturing, or the capture was invalidated
+        capture_id[0] = <unsigned long long>cid
+        return 1
+
+    cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1:
+        self._check_open()
+        cdef size_t n = 0, i
+        check(cydriver.cuGraphNodeGetDependencies(<cydriver.CUgraphNode>node, NULL, NULL, &n),
+              "cuGraphNodeGetDependencies")
+        cdef vector[cydriver.CUgraphNode] deps
+        cdef vector[cydriver.CUgraphEdgeData] edges     # see capture_info: avoids LOSSY_QUERY
+        if n:
+            deps.resize(n)
+            edges.resize(n)
+            memset(edges.data(), 0, n * sizeof(cydriver.CUgraphEdgeData))
+            check(cydriver.cuGraphNodeGetDependencies(<cydriver.CUgraphNode>node, deps.data(),
+                                                      edges.data(), &n),
+                  "cuGraphNodeGetDependencies")
+            if n > deps.size():
+                n = deps.size()
+        parents[0].resize(n)
+        for i in range(n):
+            parents[0][i] = <uintptr_t>deps[i]
+        return BACKEND_OK
+
     # ---------------------------------------------------------------- virtual memory
 
     cdef void _allocation_prop(self, cydriver.CUmemAllocationProp* prop) noexcept nogil:
@@ -441,19 +705,31 @@ cdef class CudaDevice(Backend):
     cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
         self._check_open()
         cdef cydriver.CUdeviceptr ptr = 0
-        cdef cydriver.CUresult r
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
+        cdef cydriver.CUresult r = cydriver.CUDA_SUCCESS, r_relax, r_unrelax = cydriver.CUDA_SUCCESS
         with nogil:
-            r = cydriver.cuMemAddressReserve(&ptr, nbytes, 0, 0, 0)
+            r_relax = _relax(&mode)
+            if r_relax == cydriver.CUDA_SUCCESS:
+                r = cydriver.cuMemAddressReserve(&ptr, nbytes, 0, 0, 0)
+                r_unrelax = _unrelax(mode)
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")
         check(r, "cuMemAddressReserve")
+        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         base[0] = <uintptr_t>ptr
         return BACKEND_OK
 
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
         self._check_open()
-        cdef cydriver.CUresult r
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
+        cdef cydriver.CUresult r = cydriver.CUDA_SUCCESS, r_relax, r_unrelax = cydriver.CUDA_SUCCESS
         with nogil:
-            r = cydriver.cuMemAddressFree(<cydriver.CUdeviceptr>base, nbytes)
+            r_relax = _relax(&mode)
+            if r_relax == cydriver.CUDA_SUCCESS:
+                r = cydriver.cuMemAddressFree(<cydriver.CUdeviceptr>base, nbytes)
+                r_unrelax = _unrelax(mode)
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")
         check(r, "cuMemAddressFree")
+        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         return BACKEND_OK
 
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
@@ -483,27 +759,34 @@ cdef class CudaDevice(Backend):
         cdef size_t created = 0, mapped = 0, i
         cdef cydriver.CUresult r_create = cydriver.CUDA_SUCCESS, r_map = cydriver.CUDA_SUCCESS
         cdef cydriver.CUresult r_access = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
+        cdef cydriver.CUresult r_relax, r_unrelax = cydriver.CUDA_SUCCESS
         with nogil:
-            while created < count:
-                r_create = cydriver.cuMemCreate(&handles[created], page, &prop, 0)
-                if r_create != cydriver.CUDA_SUCCESS:
-                    break
-                created += 1
-            if created == count:
-                while mapped < count:
-                    r_map = cydriver.cuMemMap(<cydriver.CUdeviceptr>(addr + mapped * page), page, 0,
-                                              handles[mapped], 0)
-                    if r_map != cydriver.CUDA_SUCCESS:
+            r_relax = _relax(&mode)             # one exchange pair for all the pages
+            if r_relax == cydriver.CUDA_SUCCESS:
+                while created < count:
+                    r_create = cydriver.cuMemCreate(&handles[created], page, &prop, 0)
+                    if r_create != cydriver.CUDA_SUCCESS:
                         break
-                    mapped += 1
-            if mapped == count:
-                r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>addr, nbytes, access.data(), access.size())
-            if r_access != cydriver.CUDA_SUCCESS or mapped != count:
-                # Undo this call's work so that a failure leaves nothing half mapped.
-                for i in range(mapped):
-                    cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(addr + i * page), page)
-                for i in range(created):
-                    cydriver.cuMemRelease(handles[i])
+                    created += 1
+                if created == count:
+                    while mapped < count:
+                        r_map = cydriver.cuMemMap(<cydriver.CUdeviceptr>(addr + mapped * page), page, 0,
+                                                  handles[mapped], 0)
+                        if r_map != cydriver.CUDA_SUCCESS:
+                            break
+                        mapped += 1
+                if mapped == count:
+                    r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>addr, nbytes, access.data(), access.size())
+                if r_access != cydriver.CUDA_SUCCESS or mapped != count:
+                    # Undo this call's work so that a failure leaves nothing half mapped.
+                    for i in range(mapped):
+                        cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(addr + i * page), page)
+                    for i in range(created):
+                        cydriver.cuMemRelease(handles[i])
+                r_unrelax = _unrelax(mode)
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")
+        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         if r_create == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
             return BACKEND_OOM
         check(r_create, "cuMemCreate")
@@ -527,16 +810,23 @@ cdef class CudaDevice(Backend):
                 raise ValueError(f"vm_unmap: page {addr + i * page:#x} was not mapped by vm_map")
             handles.push_back(self._page_handles[addr + i * page])
         cdef cydriver.CUresult r_unmap = cydriver.CUDA_SUCCESS, r_release = cydriver.CUDA_SUCCESS
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
+        cdef cydriver.CUresult r_relax, r_unrelax = cydriver.CUDA_SUCCESS
         with nogil:
-            r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>addr, nbytes)
-            if r_unmap == cydriver.CUDA_SUCCESS:
-                for i in range(count):
-                    r_release = cydriver.cuMemRelease(handles[i])
-                    if r_release != cydriver.CUDA_SUCCESS:
-                        break
+            r_relax = _relax(&mode)
+            if r_relax == cydriver.CUDA_SUCCESS:
+                r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>addr, nbytes)
+                if r_unmap == cydriver.CUDA_SUCCESS:
+                    for i in range(count):
+                        r_release = cydriver.cuMemRelease(handles[i])
+                        if r_release != cydriver.CUDA_SUCCESS:
+                            break
+                r_unrelax = _unrelax(mode)
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")    # nothing was unmapped
         check(r_unmap, "cuMemUnmap")
         for i in range(count):
             self._page_handles.erase(addr + i * page)
         self.mapped_bytes -= nbytes
         check(r_release, "cuMemRelease")
+        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         return BACKEND_OK

@@ -20,6 +20,21 @@ fake.fake_used.restype = ctypes.c_size_t
 fake.fake_fail_next.argtypes = [ctypes.c_char_p, ctypes.c_int]
 fake.fake_launch.argtypes = [ctypes.c_size_t, ctypes.c_ulonglong]
 fake.fake_complete.argtypes = [ctypes.c_size_t]
+fake.fake_fail_after.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+fake.fake_capture_node.restype = ctypes.c_size_t
+fake.fake_capture_node.argtypes = [ctypes.c_size_t, ctypes.c_int]
+fake.fake_capture_status.argtypes = [ctypes.c_size_t]
+fake.fake_capture_mode.argtypes = [ctypes.c_size_t]
+fake.fake_launched.restype = ctypes.c_ulonglong
+fake.fake_launched.argtypes = [ctypes.c_size_t]
+fake.fake_graph_launches.restype = ctypes.c_long
+fake.fake_graph_launches.argtypes = [ctypes.c_size_t]
+fake.fake_graph_nodes.restype = ctypes.c_long
+fake.fake_graph_nodes.argtypes = [ctypes.c_size_t]
+fake.fake_log.restype = ctypes.c_char_p
+fake.cuMemAlloc.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t]
+
+CAPTURE_NONE, CAPTURE_ACTIVE, CAPTURE_INVALIDATED = 0, 1, 2
 
 import pyalloc                      # noqa: E402  (after the fake is loaded, to show import is lazy)
 from pyalloc import cuda_backend    # noqa: E402
@@ -39,6 +54,31 @@ def scenario(fn):
 
 def device_of(ptr):
     return ptr // DEVICE_RANGE - 1
+
+
+def count(what):
+    return fake.fake_count(what.encode())
+
+
+def driver_log():
+    """The fake's log since the last reset: memory calls as name@mode, mode exchanges as
+    exchange:old->new (modes: 0 global, 1 thread_local, 2 relaxed)."""
+    return fake.fake_log().decode().split()
+
+
+def fake_current():
+    """The device whose context is current on this thread (-1: none)."""
+    from pyalloc import _cuda
+    return _cuda.current_device()
+
+
+def cuda_error(fn, *args):
+    """[call, result, name, message] of the CudaError that fn(*args) raises."""
+    try:
+        fn(*args)
+    except pyalloc.CudaError as exc:
+        return [exc.call, exc.result, exc.name, str(exc)]
+    return "no error"
 
 
 def cuda_allocator(device=0):
@@ -293,6 +333,327 @@ def pointer_device_from_the_driver():
     d = _cuda.pointer_device(ptr)
     pyalloc.free(ptr)
     return d
+
+
+# ------------------------------------------------------------------------ stream capture
+
+
+@scenario
+def capture_begin_passes_the_stream_and_mode():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    modes = {}
+    for stream, mode in ((51, "global"), (52, "thread_local"), (53, "relaxed")):
+        dev.begin_capture(stream, mode)
+        modes[mode] = [fake.fake_capture_status(stream), fake.fake_capture_mode(stream)]
+    dev.begin_capture(54)                       # the default mode
+    modes["default"] = [fake.fake_capture_status(54), fake.fake_capture_mode(54)]
+    twice = cuda_error(dev.begin_capture, 51, "global")
+    legacy = cuda_error(dev.begin_capture, 0, "global")
+    for stream in (51, 52, 53, 54):
+        dev.destroy_graph(dev.end_capture(stream))
+    return {"modes": modes, "twice": twice, "legacy": legacy, "current_after": fake_current()}
+
+
+@scenario
+def capture_info_reports_the_capture_id_and_terminals():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    out = {"before": dev.stream_capture_info(61)}
+    dev.begin_capture(61, "global")
+    first_id, out["empty"] = dev.stream_capture_info(61)
+    fake.fake_launch(61, 1)
+    n1 = dev.stream_capture_info(61)[1]
+    root = fake.fake_capture_node(61, 0)             # joined from another stream: a 2nd terminal
+    n1_and_root = dev.stream_capture_info(61)[1]
+    out["terminals"] = [n1_and_root == n1 + [root], len(n1) == 1 and n1[0] != 0]
+    fake.fake_launch(61, 1)                           # depends on both, replaces them
+    joined = dev.stream_capture_info(61)[1]
+    out["joined"] = [len(joined) == 1, joined[0] not in n1_and_root]
+    dev.destroy_graph(dev.end_capture(61))
+    out["after"] = dev.stream_capture_info(61)
+    dev.begin_capture(61, "global")
+    second_id = dev.stream_capture_info(61)[0]
+    dev.destroy_graph(dev.end_capture(61))
+    out["ids"] = [first_id >= 1, second_id > first_id]
+    fake.fake_set_current(1)                          # the caller on another device
+    dev.stream_capture_info(61)
+    out["current_after"] = fake_current()
+    return out
+
+
+@scenario
+def capture_info_of_an_invalidated_capture_is_none():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    dev.begin_capture(62, "global")
+    ptr = ctypes.c_ulonglong()
+    fake.fake_set_current(0)
+    # A cuMemAlloc that is not relaxed, as a caller outside pyalloc might make: refused, and the
+    # capture is invalidated (the driver's rule, modelled by the fake).
+    refused = fake.cuMemAlloc(ctypes.byref(ptr), MiB)
+    status = fake.fake_capture_status(62)
+    info = dev.stream_capture_info(62)
+    end = cuda_error(dev.end_capture, 62)
+    return [refused, status, info, end, dev.stream_capture_info(62)]
+
+
+@scenario
+def capture_info_on_the_legacy_stream_during_a_capture_raises():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    dev.begin_capture(63, "global")
+    try:
+        return cuda_error(dev.stream_capture_info, 0)
+    finally:
+        dev.destroy_graph(dev.end_capture(63))
+
+
+@scenario
+def capture_info_error_raises_cuda_error():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    fake.fake_fail_next(b"cuStreamGetCaptureInfo", 1)
+    return cuda_error(dev.stream_capture_info, 64)
+
+
+@scenario
+def node_parents_come_from_cugraphnodegetdependencies():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    dev.begin_capture(65, "global")
+    fake.fake_launch(65, 1)
+    (n1,) = dev.stream_capture_info(65)[1]
+    fake.fake_launch(65, 1)
+    (n2,) = dev.stream_capture_info(65)[1]
+    root = fake.fake_capture_node(65, 0)
+    fake.fake_launch(65, 1)
+    (n3,) = dev.stream_capture_info(65)[1]
+    counts_before = [count("deps_count"), count("deps_fill")]
+    out = {"n1": dev.node_parents(n1), "n2": dev.node_parents(n2) == [n1],
+           "n3": dev.node_parents(n3) == [n2, root]}
+    # Three queries of the count; two fills (a node without parents needs none).
+    out["calls"] = [count("deps_count") - counts_before[0], count("deps_fill") - counts_before[1]]
+    out["bad"] = cuda_error(dev.node_parents, 0xDEAD)
+    dev.destroy_graph(dev.end_capture(65))
+    return out
+
+
+@scenario
+def graph_launch_instantiates_once_and_replays():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    dev.begin_capture(66, "global")
+    fake.fake_launch(66, 3)
+    graph = dev.end_capture(66)
+    out = {"graph": [graph != 0, fake.fake_graph_nodes(graph), fake.fake_capture_status(66)]}
+    inst0, launch0, work0 = count("instantiate"), count("launch"), fake.fake_launched(67)
+    fake.fake_set_current(-1)                          # no context: ours is made current
+    dev.launch_graph(graph, 67)
+    dev.launch_graph(graph, 67)
+    out["replays"] = [count("instantiate") - inst0, count("launch") - launch0,
+                      fake.fake_graph_launches(graph), fake.fake_launched(67) - work0,
+                      count("instantiate_flags")]
+    out["current_after"] = fake_current()
+    live = [count("graphs_live"), count("execs_live")]
+    dev.destroy_graph(graph)
+    out["destroyed"] = [live[0] - count("graphs_live"), live[1] - count("execs_live")]
+    return out
+
+
+@scenario
+def graph_destroy_without_launch_destroys_only_the_graph():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    dev.begin_capture(68)
+    graph = dev.end_capture(68)                        # an empty capture is a valid graph
+    execs, graphs = count("exec_destroy"), count("graph_destroy")
+    dev.destroy_graph(graph)
+    return [count("exec_destroy") - execs, count("graph_destroy") - graphs]
+
+
+@scenario
+def capture_and_graph_errors_raise_cuda_error():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    out = {"end_not_capturing": cuda_error(dev.end_capture, 69)}
+    dev.begin_capture(69)
+    fake.fake_launch(69, 1)
+    graph = dev.end_capture(69)
+    fake.fake_fail_next(b"cuGraphInstantiateWithFlags", 2)
+    out["instantiate"] = cuda_error(dev.launch_graph, graph, 70)
+    inst = count("instantiate")
+    dev.launch_graph(graph, 70)                        # nothing was cached: instantiated now
+    out["instantiated_after_failure"] = count("instantiate") - inst
+    fake.fake_fail_next(b"cuGraphLaunch", 1)
+    out["launch"] = cuda_error(dev.launch_graph, graph, 70)
+    dev.launch_graph(graph, 70)                        # the executable graph stays cached
+    out["instantiated_after_launch_failure"] = count("instantiate") - inst
+    fake.fake_fail_next(b"cuStreamBeginCapture", 1)
+    out["begin"] = cuda_error(dev.begin_capture, 69)
+    fake.fake_fail_next(b"cuGraphExecDestroy", 400)
+    out["exec_destroy"] = cuda_error(dev.destroy_graph, graph)
+    out["bad_graph"] = cuda_error(dev.destroy_graph, 0xBAD0)
+    try:
+        dev.begin_capture(69, "sideways")
+        out["bad_mode"] = "no error"
+    except ValueError as exc:
+        out["bad_mode"] = str(exc)
+    return out
+
+
+@scenario
+def close_destroys_the_cached_executable_graphs():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    dev.begin_capture(77)
+    fake.fake_launch(77, 1)
+    graph = dev.end_capture(77)
+    dev.launch_graph(graph, 77)
+    before = [dev.instantiated_graphs, count("execs_live")]
+    dev.close()
+    after = [dev.instantiated_graphs, count("execs_live")]
+    graphs = count("graphs_live")
+    dev2 = CudaDevice(0)
+    dev2.destroy_graph(graph)                          # the graph is still the caller's
+    dev2.close()
+    return [before[0], after[0], before[1] - after[1], graphs - count("graphs_live")]
+
+
+# --------------------------------------------------------------- relaxed mode around memory
+
+
+@scenario
+def segment_alloc_and_free_run_in_relaxed_mode_and_restore_it():
+    a = cuda_allocator(0)
+    fake.fake_log_reset()
+    exchanges = count("exchange")
+    ptr = a.malloc(MiB)                                # a new segment
+    alloc_log = driver_log()
+    per_alloc = count("exchange") - exchanges
+    a.free(ptr)
+    fake.fake_log_reset()
+    exchanges = count("exchange")
+    again = a.malloc(MiB)                              # a cache hit: no driver call at all
+    hit = [again == ptr, count("exchange") - exchanges, driver_log()]
+    a.free(again)
+    fake.fake_log_reset()
+    a.empty_cache()
+    free_log = driver_log()
+    fake.fake_set_thread_mode(1)                       # a caller in thread_local mode
+    fake.fake_log_reset()
+    a.free(a.malloc(MiB))
+    a.empty_cache()
+    thread_local_log = driver_log()
+    mode_after = fake.fake_thread_mode()
+    fake.fake_set_thread_mode(0)
+    return {"alloc": alloc_log, "per_alloc": per_alloc, "hit": hit, "free": free_log,
+            "thread_local": thread_local_log, "mode_after": mode_after}
+
+
+@scenario
+def relaxed_mode_is_restored_when_the_allocation_fails():
+    a = cuda_allocator(0)
+    fake.fake_log_reset()
+    fake.fake_fail_next(b"cuMemAlloc", 700)
+    error = cuda_error(a.malloc, MiB)
+    error_log, error_mode = driver_log(), fake.fake_thread_mode()
+    fake.fake_log_reset()
+    try:
+        a.malloc(100 * MiB)                            # more than the fake's 64 MiB
+        oom = "no error"
+    except pyalloc.OutOfMemoryError:
+        oom = "OutOfMemoryError"
+    oom_log, oom_mode = driver_log(), fake.fake_thread_mode()
+    return {"error": error[:3], "error_log": error_log, "error_mode": error_mode,
+            "oom": oom, "oom_log": oom_log, "oom_mode": oom_mode}
+
+
+@scenario
+def a_failed_mode_exchange_raises_and_allocates_nothing():
+    a = cuda_allocator(0)
+    allocs = count("alloc")
+    fake.fake_fail_next(b"cuThreadExchangeStreamCaptureMode", 1)
+    first = cuda_error(a.malloc, MiB)
+    nothing_allocated = count("alloc") == allocs and a.memory_reserved() == 0
+    fake.fake_fail_after(b"cuThreadExchangeStreamCaptureMode", 1, 1)   # the restoring exchange
+    restore = cuda_error(a.malloc, MiB)
+    fake.fake_set_thread_mode(0)
+    return [first[:3], nothing_allocated, restore[:3]]
+
+
+@scenario
+def a_new_segment_during_a_global_capture_keeps_the_capture_valid():
+    a = cuda_allocator(0)
+    dev = a.backend
+    dev.begin_capture(71, "global")
+    fake.fake_launch(71, 1)
+    before = dev.stream_capture_info(71)
+    fake.fake_log_reset()
+    ptr = a.malloc(30 * MiB, stream=71)                # a new segment while 71 captures
+    log = driver_log()
+    after = dev.stream_capture_info(71)
+    status = fake.fake_capture_status(71)
+    graph = dev.end_capture(71)
+    dev.destroy_graph(graph)
+    a.free(ptr)
+    a.empty_cache()
+    return {"log": log, "same_capture": after == before, "status": status,
+            "mode_after": fake.fake_thread_mode()}
+
+
+@scenario
+def expandable_segments_map_and_unmap_in_relaxed_mode():
+    a = pyalloc.CachingAllocator(0, backend="cuda", config="expandable_segments:True")
+    dev = a.backend
+    dev.begin_capture(72, "global")
+    fake.fake_launch(72, 1)
+    fake.fake_log_reset()
+    ptr = a.malloc(6 * MiB, stream=72)                 # reserve address space, map pages
+    grow_log = driver_log()
+    status = fake.fake_capture_status(72)
+    mapped = [dev.mapped_bytes, count("mapped_live")]
+    dev.destroy_graph(dev.end_capture(72))
+    a.free(ptr)
+    fake.fake_log_reset()
+    a.empty_cache()                                    # unmap, release
+    shrink_log = driver_log()
+    return {"grow": grow_log, "status": status, "mapped": mapped, "shrink": shrink_log,
+            "after": [dev.mapped_bytes, count("mapped_live"), count("reserved_live")],
+            "mode_after": fake.fake_thread_mode()}
+
+
+# ------------------------------------------------------------------ events during capture
+
+
+@scenario
+def event_calls_during_a_capture_raise_readable_cuda_errors():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    fake.fake_launch(73, 1)
+    outside = dev.record_event(73)                    # pending work, recorded before the capture
+    dev.begin_capture(74, "global")
+    out = {"query": cuda_error(dev.event_done, outside)}
+    out["query_invalidated"] = fake.fake_capture_status(74) == CAPTURE_INVALIDATED
+    out["end"] = cuda_error(dev.end_capture, 74)[:3]
+    dev.begin_capture(75, "global")
+    out["synchronize"] = cuda_error(dev.wait_event, outside)[:3]
+    cuda_error(dev.end_capture, 75)
+    dev.begin_capture(76, "relaxed")                   # relaxed: nothing is unsafe...
+    inside = dev.record_event(76)
+    out["relaxed_query_outside"] = dev.event_done(outside)
+    out["captured_query"] = cuda_error(dev.event_done, inside)[:3]   # ...but a captured event is
+    out["captured_synchronize"] = cuda_error(dev.wait_event, inside)[:3]
+    dev.destroy_graph(dev.end_capture(76))
+    dev.destroy_event(inside)
+    dev.destroy_event(outside)
+    return out
+
+
+@scenario
+def capture_error_names_are_readable():
+    from pyalloc import _cuda
+    return {code: list(_cuda.error_name(code)) for code in (900, 901, 906, 907, 908)}
 
 
 print(json.dumps(results))

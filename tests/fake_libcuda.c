@@ -10,11 +10,29 @@
  *     current context, as the real driver does;
  *   - streams as opaque handles with work that the test launches and completes
  *     (fake_launch / fake_complete), and events that complete when their stream's work does;
- *   - fault injection: fake_fail_next(name, code) makes the next call of `name` return `code`.
+ *   - fault injection: fake_fail_next(name, code) makes the next call of `name` return `code`
+ *     (fake_fail_after(name, skip, code): the call after the next `skip` ones);
+ *   - stream capture: cuStreamBeginCapture/EndCapture with a process-wide capture id counter;
+ *     while a stream captures, fake_launch adds nodes to its graph instead of queueing work, each
+ *     new node depending on the stream's terminal nodes (fake_capture_node adds a node after
+ *     them or a new root beside them); cuStreamGetCaptureInfo reports the terminals,
+ *     cuGraphNodeGetDependencies a node's parents; cuGraphInstantiateWithFlags/cuGraphLaunch
+ *     replay a graph as work on a stream; bad graph, node and executable handles are errors;
+ *   - virtual memory (expandable segments): address reservations, physical allocations counted
+ *     against the device's capacity, maps and unmaps (no memory behind any of them);
+ *   - capture modes as the driver documents them (cuThreadExchangeStreamCaptureMode): a thread in
+ *     global mode may not make "potentially unsafe" calls while any thread captures in global
+ *     mode, nor any thread while it captures itself in a non-relaxed mode; such calls (here the
+ *     memory calls, cuEventQuery, cuEventSynchronize) fail with
+ *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the conflicting captures; querying or
+ *     synchronizing an event recorded in a capture fails with CUDA_ERROR_CAPTURED_EVENT;
+ *   - a log of the memory calls with this thread's capture mode at each, and of the mode
+ *     exchanges (fake_log, fake_log_reset), for checking that calls are relaxed and restored.
  * Test-only entry points (fake_*) are called through ctypes.
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,18 +43,39 @@ typedef unsigned long long CUdeviceptr;
 enum {
     SUCCESS = 0, ERR_INVALID_VALUE = 1, ERR_OUT_OF_MEMORY = 2, ERR_NOT_INITIALIZED = 3,
     ERR_INVALID_DEVICE = 101, ERR_INVALID_CONTEXT = 201, ERR_INVALID_HANDLE = 400,
-    ERR_NOT_FOUND = 500, ERR_NOT_READY = 600
+    ERR_ILLEGAL_STATE = 401, ERR_NOT_FOUND = 500, ERR_NOT_READY = 600,
+    ERR_CAPTURE_UNSUPPORTED = 900, ERR_CAPTURE_INVALIDATED = 901, ERR_CAPTURE_IMPLICIT = 906,
+    ERR_CAPTURED_EVENT = 907, ERR_CAPTURE_WRONG_THREAD = 908
 };
+
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
+enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2 };
 
 #define MAX_DEVICES 8
 #define MAX_SEGMENTS 4096
 #define MAX_STREAMS 64
 #define DEVICE_RANGE 0x10000000000ULL
+#define VA_BASE 0x700000000000ULL
+#define MAX_NODES 256
+#define MAX_DEPS 16
+#define MAX_PHYS 4096
 
 struct ctx { int device; int refcount; };
 struct segment { CUdeviceptr ptr; size_t size; int device; int live; };
-struct stream { uintptr_t handle; unsigned long long launched, completed; };
-struct event { unsigned magic; uintptr_t stream; unsigned long long target; int recorded; unsigned flags; };
+struct graph;
+struct node { struct graph *graph; size_t n_deps; struct node *deps[MAX_DEPS]; };
+struct graph { unsigned long long capture_id; size_t n_nodes; long launches;
+               struct node nodes[MAX_NODES]; };
+struct exec { struct graph *graph; };
+struct stream {
+    uintptr_t handle; unsigned long long launched, completed;
+    int capture;                       /* CAPTURE_NONE / ACTIVE / INVALIDATED */
+    int capture_mode; const void *capture_thread; unsigned long long capture_id;
+    struct graph *graph; size_t n_terminals; struct node *terminals[MAX_DEPS];
+};
+struct event { unsigned magic; uintptr_t stream; unsigned long long target; int recorded; unsigned flags;
+               int captured; };
+struct phys { unsigned long long handle; size_t size; int device; int live; };
 
 static int initialized, n_devices = 2;
 static size_t capacity = (size_t)1 << 30;
@@ -48,17 +87,64 @@ static struct stream streams[MAX_STREAMS];
 static int n_streams;
 static __thread struct ctx *current;
 static char fail_name[64];
-static int fail_code;
+static int fail_code, fail_skip;
 static unsigned last_event_flags;
 static long calls_alloc, calls_free, calls_event_create, calls_event_record, calls_ctx_set;
+static long calls_exchange, calls_capture_info, calls_deps_count, calls_deps_fill, calls_instantiate,
+            calls_launch, calls_exec_destroy, calls_graph_destroy, graphs_live, execs_live;
+static unsigned long long capture_counter, last_instantiate_flags;
+static __thread int thread_mode;                   /* MODE_GLOBAL, as in the driver */
+static __thread char thread_key;                   /* its address names the thread */
+static struct phys phys[MAX_PHYS];
+static unsigned long long next_phys = 1;
+static CUdeviceptr next_va = VA_BASE;
+static long reserved_live, mapped_live;
+static char log_buf[8192];
+static size_t log_len;
+/* Live graphs and executable graphs, so that a bad handle is an error, not a crash. */
+#define MAX_GRAPHS 256
+static struct graph *graphs[MAX_GRAPHS];
+static struct exec *execs[MAX_GRAPHS];
+
+static int track(void **table, void *p) {
+    for (int i = 0; i < MAX_GRAPHS; i++)
+        if (!table[i]) { table[i] = p; return 1; }
+    return 0;
+}
+static int tracked(void **table, const void *p) {
+    if (!p) return 0;
+    for (int i = 0; i < MAX_GRAPHS; i++)
+        if (table[i] == p) return 1;
+    return 0;
+}
+static void untrack(void **table, const void *p) {
+    for (int i = 0; i < MAX_GRAPHS; i++)
+        if (table[i] == p) table[i] = NULL;
+}
+static int valid_node(const struct node *n) {
+    for (int i = 0; i < MAX_GRAPHS; i++) {
+        struct graph *g = graphs[i];
+        if (g && n >= g->nodes && n < g->nodes + g->n_nodes) return 1;
+    }
+    return 0;
+}
 
 static int should_fail(const char *name) {
     if (fail_code && strcmp(fail_name, name) == 0) {
+        if (fail_skip > 0) { fail_skip--; return 0; }
         int c = fail_code;
         fail_code = 0;
         return c;
     }
     return 0;
+}
+
+static void log_entry(const char *entry) {
+    size_t n = strlen(entry);
+    if (log_len + n + 2 >= sizeof log_buf) return;
+    if (log_len) log_buf[log_len++] = ' ';
+    memcpy(log_buf + log_len, entry, n + 1);
+    log_len += n;
 }
 
 static struct stream *get_stream(uintptr_t h) {
@@ -67,6 +153,48 @@ static struct stream *get_stream(uintptr_t h) {
     if (n_streams == MAX_STREAMS) return &streams[MAX_STREAMS - 1];
     streams[n_streams].handle = h;
     return &streams[n_streams++];
+}
+
+/* A "potentially unsafe" call (logged as name@mode): when a capture forbids it, it fails and the
+ * captures that forbid it are invalidated (the rules of cuThreadExchangeStreamCaptureMode's
+ * documentation). */
+static int unsafe_call(const char *name) {
+    char entry[64];
+    snprintf(entry, sizeof entry, "%s@%d", name, thread_mode);
+    log_entry(entry);
+    if (thread_mode == MODE_RELAXED) return 0;
+    int refused = 0;
+    for (int i = 0; i < n_streams; i++) {
+        struct stream *s = &streams[i];
+        if (s->capture != CAPTURE_ACTIVE || s->capture_mode == MODE_RELAXED) continue;
+        int mine = s->capture_thread == &thread_key;
+        if (mine || (s->capture_mode == MODE_GLOBAL && thread_mode == MODE_GLOBAL)) {
+            s->capture = CAPTURE_INVALIDATED;
+            refused = 1;
+        }
+    }
+    return refused ? ERR_CAPTURE_UNSUPPORTED : 0;
+}
+
+static int any_capture(void) {
+    for (int i = 0; i < n_streams; i++)
+        if (streams[i].capture != CAPTURE_NONE) return 1;
+    return 0;
+}
+
+/* A node on a capturing stream: after its terminals (join) or beside them (a new root). */
+static struct node *capture_node(struct stream *s, int join) {
+    struct graph *g = s->graph;
+    if (g->n_nodes == MAX_NODES) return NULL;
+    struct node *n = &g->nodes[g->n_nodes++];
+    n->graph = g;
+    if (join) {
+        n->n_deps = s->n_terminals;
+        memcpy(n->deps, s->terminals, s->n_terminals * sizeof n->deps[0]);
+        s->n_terminals = 0;
+    }
+    if (s->n_terminals < MAX_DEPS) s->terminals[s->n_terminals++] = n;
+    return n;
 }
 
 CUresult cuDriverGetVersion(int *v) { *v = 13000; return SUCCESS; }
@@ -121,6 +249,7 @@ CUresult cuCtxGetDevice(CUdevice *dev) {
 
 CUresult cuMemAlloc(CUdeviceptr *p, size_t n) {
     int f = should_fail("cuMemAlloc");
+    if (!f) f = unsafe_call("cuMemAlloc");
     if (f) return f;
     if (!current) return ERR_INVALID_CONTEXT;
     if (n == 0) return ERR_INVALID_VALUE;
@@ -144,6 +273,7 @@ CUresult cuMemAlloc(CUdeviceptr *p, size_t n) {
 
 CUresult cuMemFree(CUdeviceptr p) {
     int f = should_fail("cuMemFree");
+    if (!f) f = unsafe_call("cuMemFree");
     if (f) return f;
     if (!current) return ERR_INVALID_CONTEXT;
     for (int i = 0; i < MAX_SEGMENTS; i++) {
@@ -158,6 +288,8 @@ CUresult cuMemFree(CUdeviceptr p) {
 }
 
 CUresult cuMemGetInfo(size_t *free_bytes, size_t *total) {
+    int f = unsafe_call("cuMemGetInfo");     /* modelled as unsafe, to be on the safe side */
+    if (f) return f;
     if (!current) return ERR_INVALID_CONTEXT;
     *free_bytes = capacity - used[current->device];
     *total = capacity;
@@ -199,6 +331,7 @@ CUresult cuEventRecord(struct event *e, uintptr_t stream) {
     e->stream = stream;
     e->target = s->launched;
     e->recorded = 1;
+    e->captured = s->capture == CAPTURE_ACTIVE;  /* a fork/join point of the capture, no work */
     calls_event_record++;
     return SUCCESS;
 }
@@ -207,12 +340,17 @@ CUresult cuEventQuery(struct event *e) {
     int f = should_fail("cuEventQuery");
     if (f) return f;
     if (!e || e->magic != EVENT_MAGIC) return ERR_INVALID_HANDLE;
+    if (e->captured) return ERR_CAPTURED_EVENT;
+    if ((f = unsafe_call("cuEventQuery"))) return f;
     if (!e->recorded) return SUCCESS;
     return get_stream(e->stream)->completed >= e->target ? SUCCESS : ERR_NOT_READY;
 }
 
 CUresult cuEventSynchronize(struct event *e) {
+    int f;
     if (!e || e->magic != EVENT_MAGIC) return ERR_INVALID_HANDLE;
+    if (e->captured) return ERR_CAPTURED_EVENT;
+    if ((f = unsafe_call("cuEventSynchronize"))) return f;
     if (e->recorded) {
         struct stream *s = get_stream(e->stream);
         if (s->completed < e->target) s->completed = e->target;
@@ -230,6 +368,10 @@ CUresult cuEventDestroy(struct event *e) {
 CUresult cuStreamSynchronize(uintptr_t stream) {
     if (!current) return ERR_INVALID_CONTEXT;
     struct stream *s = get_stream(stream);
+    if (s->capture != CAPTURE_NONE) {             /* illegal on a capturing stream */
+        s->capture = CAPTURE_INVALIDATED;
+        return ERR_CAPTURE_UNSUPPORTED;
+    }
     s->completed = s->launched;
     return SUCCESS;
 }
@@ -237,6 +379,259 @@ CUresult cuStreamSynchronize(uintptr_t stream) {
 CUresult cuCtxSynchronize(void) {
     if (!current) return ERR_INVALID_CONTEXT;
     for (int i = 0; i < n_streams; i++) streams[i].completed = streams[i].launched;
+    return SUCCESS;
+}
+
+/* ------------------------------------------------------------------ virtual memory */
+
+CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+    (void)prop; (void)option;
+    *g = 2u << 20;
+    return SUCCESS;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+    (void)dev; (void)peer;
+    *can = 0;
+    return SUCCESS;
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
+                             unsigned long long flags) {
+    (void)align; (void)addr; (void)flags;
+    int f = should_fail("cuMemAddressReserve");
+    if (!f) f = unsafe_call("cuMemAddressReserve");
+    if (f) return f;
+    *p = next_va;
+    next_va += (size + 0x1FFFFF) & ~(CUdeviceptr)0x1FFFFF;
+    reserved_live++;
+    return SUCCESS;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size) {
+    (void)p; (void)size;
+    int f = unsafe_call("cuMemAddressFree");
+    if (f) return f;
+    reserved_live--;
+    return SUCCESS;
+}
+
+/* prop: a CUmemAllocationProp, whose location.id (the device) is its fourth int. */
+CUresult cuMemCreate(unsigned long long *handle, size_t size, const int *prop, unsigned long long flags) {
+    (void)flags;
+    int f = should_fail("cuMemCreate");
+    if (!f) f = unsafe_call("cuMemCreate");
+    if (f) return f;
+    int d = prop[3];
+    if (d < 0 || d >= n_devices) return ERR_INVALID_DEVICE;
+    if (used[d] + size > capacity) return ERR_OUT_OF_MEMORY;
+    for (int i = 0; i < MAX_PHYS; i++) {
+        if (!phys[i].live) {
+            phys[i] = (struct phys){next_phys++, size, d, 1};
+            used[d] += size;
+            *handle = phys[i].handle;
+            return SUCCESS;
+        }
+    }
+    return ERR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemRelease(unsigned long long handle) {
+    int f = unsafe_call("cuMemRelease");
+    if (f) return f;
+    for (int i = 0; i < MAX_PHYS; i++) {
+        if (phys[i].live && phys[i].handle == handle) {
+            phys[i].live = 0;
+            used[phys[i].device] -= phys[i].size;
+            return SUCCESS;
+        }
+    }
+    return ERR_INVALID_VALUE;
+}
+
+CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long handle,
+                  unsigned long long flags) {
+    (void)p; (void)offset; (void)handle; (void)flags;
+    int f = unsafe_call("cuMemMap");
+    if (f) return f;
+    mapped_live += (long)size;
+    return SUCCESS;
+}
+
+CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
+    (void)p;
+    int f = unsafe_call("cuMemUnmap");
+    if (f) return f;
+    mapped_live -= (long)size;
+    return SUCCESS;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const void *desc, size_t count) {
+    (void)p; (void)size; (void)desc; (void)count;
+    return unsafe_call("cuMemSetAccess");
+}
+
+/* ------------------------------------------------------------------ stream capture, graphs */
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    int f = should_fail("cuThreadExchangeStreamCaptureMode");
+    if (f) return f;
+    if (!mode || *mode < MODE_GLOBAL || *mode > MODE_RELAXED) return ERR_INVALID_VALUE;
+    int previous = thread_mode;
+    char entry[64];
+    snprintf(entry, sizeof entry, "exchange:%d->%d", previous, *mode);
+    log_entry(entry);
+    thread_mode = *mode;
+    *mode = previous;
+    calls_exchange++;
+    return SUCCESS;
+}
+
+/* Stream handles 0 and 1 (CU_STREAM_LEGACY): the legacy stream, which cannot capture. */
+static int is_legacy(uintptr_t stream) { return stream == 0 || stream == 1; }
+
+CUresult cuStreamBeginCapture(uintptr_t stream, int mode) {
+    int f = should_fail("cuStreamBeginCapture");
+    if (f) return f;
+    if (!current) return ERR_INVALID_CONTEXT;
+    if (mode < MODE_GLOBAL || mode > MODE_RELAXED) return ERR_INVALID_VALUE;
+    if (is_legacy(stream)) return ERR_CAPTURE_UNSUPPORTED;
+    struct stream *s = get_stream(stream);
+    if (s->capture != CAPTURE_NONE) return ERR_ILLEGAL_STATE;
+    struct graph *g = calloc(1, sizeof *g);
+    if (!track((void **)graphs, g)) { free(g); return ERR_OUT_OF_MEMORY; }
+    g->capture_id = ++capture_counter;
+    graphs_live++;
+    s->capture = CAPTURE_ACTIVE;
+    s->capture_mode = mode;
+    s->capture_thread = &thread_key;
+    s->capture_id = g->capture_id;
+    s->graph = g;
+    s->n_terminals = 0;
+    return SUCCESS;
+}
+
+CUresult cuStreamEndCapture(uintptr_t stream, struct graph **graph) {
+    int f = should_fail("cuStreamEndCapture");
+    if (f) return f;
+    if (!graph) return ERR_INVALID_VALUE;
+    struct stream *s = get_stream(stream);
+    if (s->capture == CAPTURE_NONE) return ERR_ILLEGAL_STATE;
+    if (s->capture_mode != MODE_RELAXED && s->capture_thread != &thread_key)
+        return ERR_CAPTURE_WRONG_THREAD;
+    int invalidated = s->capture == CAPTURE_INVALIDATED;
+    s->capture = CAPTURE_NONE;
+    s->n_terminals = 0;
+    if (invalidated) {
+        untrack((void **)graphs, s->graph);
+        free(s->graph);
+        graphs_live--;
+        s->graph = NULL;
+        *graph = NULL;
+        return ERR_CAPTURE_INVALIDATED;
+    }
+    *graph = s->graph;
+    s->graph = NULL;
+    return SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(uintptr_t stream, int *status) {
+    if (is_legacy(stream) && any_capture()) return ERR_CAPTURE_IMPLICIT;
+    *status = get_stream(stream)->capture;
+    return SUCCESS;
+}
+
+static const unsigned char zero_edges[MAX_DEPS * 8];
+
+CUresult cuStreamGetCaptureInfo(uintptr_t stream, int *status, unsigned long long *id,
+                                struct graph **graph, struct node *const **deps,
+                                const void **edges, size_t *n) {
+    int f = should_fail("cuStreamGetCaptureInfo");
+    if (f) return f;
+    calls_capture_info++;
+    if (!status || (edges && !deps)) return ERR_INVALID_VALUE;
+    if (is_legacy(stream) && any_capture()) return ERR_CAPTURE_IMPLICIT;
+    struct stream *s = get_stream(stream);
+    *status = s->capture;
+    if (s->capture == CAPTURE_ACTIVE) {
+        if (id) *id = s->capture_id;
+        if (graph) *graph = s->graph;
+        if (deps) *deps = s->terminals;
+        if (edges) *edges = zero_edges;
+        if (n) *n = s->n_terminals;
+    }
+    return SUCCESS;
+}
+
+CUresult cuGraphNodeGetDependencies(struct node *node, struct node **deps, void *edges, size_t *n) {
+    int f = should_fail("cuGraphNodeGetDependencies");
+    if (f) return f;
+    if (!valid_node(node) || !n || (edges && !deps)) return ERR_INVALID_VALUE;
+    if (!deps) {
+        calls_deps_count++;
+        *n = node->n_deps;
+        return SUCCESS;
+    }
+    calls_deps_fill++;
+    size_t i;
+    for (i = 0; i < *n && i < node->n_deps; i++) deps[i] = node->deps[i];
+    for (size_t j = i; j < *n; j++) deps[j] = NULL;
+    if (edges) memset(edges, 0, *n * 8);
+    *n = i;
+    return SUCCESS;
+}
+
+CUresult cuGraphInstantiateWithFlags(struct exec **exec, struct graph *graph, unsigned long long flags) {
+    int f = should_fail("cuGraphInstantiateWithFlags");
+    if (f) return f;
+    if (!current) return ERR_INVALID_CONTEXT;
+    if (!tracked((void **)graphs, graph)) return ERR_INVALID_VALUE;
+    struct exec *x = calloc(1, sizeof *x);
+    if (!track((void **)execs, x)) { free(x); return ERR_OUT_OF_MEMORY; }
+    x->graph = graph;
+    *exec = x;
+    last_instantiate_flags = flags;
+    calls_instantiate++;
+    execs_live++;
+    return SUCCESS;
+}
+
+/* Replay: the graph's nodes become work on `stream` (one unit each, at least one). */
+CUresult cuGraphLaunch(struct exec *x, uintptr_t stream) {
+    int f = should_fail("cuGraphLaunch");
+    if (f) return f;
+    if (!tracked((void **)execs, x)) return ERR_INVALID_VALUE;
+    if (is_legacy(stream) && !current) return ERR_INVALID_CONTEXT;
+    struct stream *s = get_stream(stream);
+    if (s->capture == CAPTURE_ACTIVE) {
+        capture_node(s, 1);                       /* a child-graph node of that capture */
+    } else {
+        s->launched += x->graph->n_nodes ? x->graph->n_nodes : 1;
+    }
+    x->graph->launches++;
+    calls_launch++;
+    return SUCCESS;
+}
+
+CUresult cuGraphExecDestroy(struct exec *x) {
+    int f = should_fail("cuGraphExecDestroy");
+    if (f) return f;
+    if (!tracked((void **)execs, x)) return ERR_INVALID_VALUE;
+    untrack((void **)execs, x);
+    free(x);
+    calls_exec_destroy++;
+    execs_live--;
+    return SUCCESS;
+}
+
+CUresult cuGraphDestroy(struct graph *g) {
+    int f = should_fail("cuGraphDestroy");
+    if (f) return f;
+    if (!tracked((void **)graphs, g)) return ERR_INVALID_VALUE;
+    untrack((void **)graphs, g);
+    free(g);
+    calls_graph_destroy++;
+    graphs_live--;
     return SUCCESS;
 }
 
@@ -249,8 +644,15 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     {201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {500, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {401, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
     {600, "CUDA_ERROR_NOT_READY", "device not ready"},
     {700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
+    {901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"},
+    {906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+     "operation would make the legacy stream depend on a capturing blocking stream"},
+    {907, "CUDA_ERROR_CAPTURED_EVENT", "operation not permitted on an event last recorded in a capturing stream"},
+    {908, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD", "attempt to terminate a thread-local capture sequence from another thread"},
 };
 
 CUresult cuGetErrorName(int code, const char **s) {
@@ -269,11 +671,41 @@ CUresult cuGetErrorString(int code, const char **s) {
 
 /* ------------------------------------------------------------------ test controls (ctypes) */
 
-void fake_launch(uintptr_t stream, unsigned long long count) { get_stream(stream)->launched += count; }
+/* Work on `stream`: `count` units, or, while it captures, `count` nodes each after the last. */
+void fake_launch(uintptr_t stream, unsigned long long count) {
+    struct stream *s = get_stream(stream);
+    if (s->capture == CAPTURE_ACTIVE) {
+        while (count--) capture_node(s, 1);
+        return;
+    }
+    s->launched += count;
+}
+/* A node on capturing `stream`: after its terminals (join=1), or a new root beside them (join=0,
+ * as work joined from another stream would be). Returns the node's handle (0: not capturing). */
+uintptr_t fake_capture_node(uintptr_t stream, int join) {
+    struct stream *s = get_stream(stream);
+    if (s->capture != CAPTURE_ACTIVE) return 0;
+    return (uintptr_t)capture_node(s, join);
+}
+int fake_capture_status(uintptr_t stream) { return get_stream(stream)->capture; }
+int fake_capture_mode(uintptr_t stream) { return get_stream(stream)->capture_mode; }
+unsigned long long fake_launched(uintptr_t stream) { return get_stream(stream)->launched; }
+long fake_graph_launches(uintptr_t graph) { return ((struct graph *)graph)->launches; }
+long fake_graph_nodes(uintptr_t graph) { return (long)((struct graph *)graph)->n_nodes; }
+int fake_thread_mode(void) { return thread_mode; }
+void fake_set_thread_mode(int mode) { thread_mode = mode; }
+const char *fake_log(void) { return log_buf; }
+void fake_log_reset(void) { log_len = 0; log_buf[0] = 0; }
+void fake_fail_after(const char *name, int skip, int code) {
+    strncpy(fail_name, name, sizeof fail_name - 1);
+    fail_code = code;
+    fail_skip = skip;
+}
 void fake_complete(uintptr_t stream) { struct stream *s = get_stream(stream); s->completed = s->launched; }
 void fake_fail_next(const char *name, int code) {
     strncpy(fail_name, name, sizeof fail_name - 1);
     fail_code = code;
+    fail_skip = 0;
 }
 long fake_count(const char *what) {
     if (!strcmp(what, "alloc")) return calls_alloc;
@@ -282,6 +714,19 @@ long fake_count(const char *what) {
     if (!strcmp(what, "event_record")) return calls_event_record;
     if (!strcmp(what, "ctx_set")) return calls_ctx_set;
     if (!strcmp(what, "event_flags")) return (long)last_event_flags;
+    if (!strcmp(what, "exchange")) return calls_exchange;
+    if (!strcmp(what, "capture_info")) return calls_capture_info;
+    if (!strcmp(what, "deps_count")) return calls_deps_count;
+    if (!strcmp(what, "deps_fill")) return calls_deps_fill;
+    if (!strcmp(what, "instantiate")) return calls_instantiate;
+    if (!strcmp(what, "instantiate_flags")) return (long)last_instantiate_flags;
+    if (!strcmp(what, "launch")) return calls_launch;
+    if (!strcmp(what, "exec_destroy")) return calls_exec_destroy;
+    if (!strcmp(what, "graph_destroy")) return calls_graph_destroy;
+    if (!strcmp(what, "graphs_live")) return graphs_live;
+    if (!strcmp(what, "execs_live")) return execs_live;
+    if (!strcmp(what, "reserved_live")) return reserved_live;
+    if (!strcmp(what, "mapped_live")) return mapped_live;
     return -1;
 }
 int fake_refcount(int dev) { return (dev >= 0 && dev < MAX_DEVICES) ? contexts[dev].refcount : -1; }
@@ -299,6 +744,12 @@ static const struct { const char *name; void *fn; } table[] = {
     F(cuPointerGetAttribute), F(cuEventCreate), F(cuEventRecord), F(cuEventQuery),
     F(cuEventSynchronize), F(cuEventDestroy), F(cuStreamSynchronize), F(cuCtxSynchronize),
     F(cuGetErrorName), F(cuGetErrorString),
+    F(cuMemGetAllocationGranularity), F(cuDeviceCanAccessPeer), F(cuMemAddressReserve),
+    F(cuMemAddressFree), F(cuMemCreate), F(cuMemRelease), F(cuMemMap), F(cuMemUnmap),
+    F(cuMemSetAccess), F(cuThreadExchangeStreamCaptureMode), F(cuStreamBeginCapture),
+    F(cuStreamEndCapture), F(cuStreamIsCapturing), F(cuStreamGetCaptureInfo),
+    F(cuGraphNodeGetDependencies), F(cuGraphInstantiateWithFlags), F(cuGraphLaunch),
+    F(cuGraphExecDestroy), F(cuGraphDestroy),
 #undef F
 };
 

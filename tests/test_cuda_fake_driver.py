@@ -172,3 +172,192 @@ def test_default_allocator_rejects_a_device_that_is_not_visible(results):
 
 def test_pointer_device_names_the_owning_device(results):
     assert value(results, "pointer_device_from_the_driver") == 1
+
+
+# ------------------------------------------------------------------------ stream capture
+
+def test_begin_capture_passes_the_stream_and_each_capture_mode(results):
+    v = value(results, "capture_begin_passes_the_stream_and_mode")
+    # [capture status (1: active), mode (0 global, 1 thread_local, 2 relaxed)] of each stream.
+    assert v["modes"] == {"global": [1, 0], "thread_local": [1, 1], "relaxed": [1, 2], "default": [1, 0]}
+    assert v["current_after"] == -1                          # our context made current, then not
+
+
+def test_begin_capture_errors_raise_cuda_error_naming_the_call(results):
+    v = value(results, "capture_begin_passes_the_stream_and_mode")
+    assert v["twice"][:3] == ["cuStreamBeginCapture", 401, "CUDA_ERROR_ILLEGAL_STATE"]
+    assert v["legacy"][:3] == ["cuStreamBeginCapture", 900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"]
+    assert v["legacy"][3] == ("cuStreamBeginCapture failed with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900 "
+                              "(operation not permitted when stream is capturing)")
+
+
+def test_capture_info_is_none_when_the_stream_is_not_capturing(results):
+    v = value(results, "capture_info_reports_the_capture_id_and_terminals")
+    assert v["before"] is None and v["after"] is None
+
+
+def test_capture_info_reports_the_capture_id_and_the_terminal_nodes(results):
+    v = value(results, "capture_info_reports_the_capture_id_and_terminals")
+    assert v["empty"] == []                                  # nothing captured yet
+    assert v["terminals"] == [True, True]                    # [n1], then [n1, a joined root]
+    assert v["joined"] == [True, True]                       # a node after both replaces them
+    assert v["ids"] == [True, True]                          # ids count up per capture
+
+
+def test_capture_info_restores_the_callers_context(results):
+    assert value(results, "capture_info_reports_the_capture_id_and_terminals")["current_after"] == 1
+
+
+def test_capture_info_of_an_invalidated_capture_is_none_and_end_capture_raises(results):
+    refused, status, info, end, after = value(results, "capture_info_of_an_invalidated_capture_is_none")
+    assert (refused, status) == (900, 2)                     # a plain cuMemAlloc invalidates it
+    assert info is None
+    assert end[:3] == ["cuStreamEndCapture", 901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]
+    assert after is None                                     # end_capture ended it all the same
+
+
+def test_capture_info_on_the_legacy_stream_during_a_capture_raises_cuda_error(results):
+    v = value(results, "capture_info_on_the_legacy_stream_during_a_capture_raises")
+    assert v[:3] == ["cuStreamGetCaptureInfo", 906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"]
+
+
+def test_capture_info_driver_error_raises_cuda_error(results):
+    v = value(results, "capture_info_error_raises_cuda_error")
+    assert v[:3] == ["cuStreamGetCaptureInfo", 1, "CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_node_parents_are_the_nodes_dependencies(results):
+    v = value(results, "node_parents_come_from_cugraphnodegetdependencies")
+    assert v["n1"] == [] and v["n2"] is True and v["n3"] is True
+
+
+def test_node_parents_query_the_count_first_then_fill(results):
+    v = value(results, "node_parents_come_from_cugraphnodegetdependencies")
+    assert v["calls"] == [3, 2]
+
+
+def test_node_parents_of_a_bad_node_raise_cuda_error(results):
+    v = value(results, "node_parents_come_from_cugraphnodegetdependencies")
+    assert v["bad"][:3] == ["cuGraphNodeGetDependencies", 1, "CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_end_capture_returns_the_captured_graph(results):
+    v = value(results, "graph_launch_instantiates_once_and_replays")
+    assert v["graph"] == [True, 3, 0]                        # handle, its 3 nodes, capture over
+
+
+def test_launch_graph_instantiates_once_and_replays_each_launch(results):
+    v = value(results, "graph_launch_instantiates_once_and_replays")
+    instantiated, launched, graph_launches, work, flags = v["replays"]
+    assert (instantiated, launched, graph_launches) == (1, 2, 2)
+    assert work == 6                                         # 3 nodes replayed twice on stream 67
+    assert flags == 0
+    assert v["current_after"] == -1
+
+
+def test_destroy_graph_destroys_the_executable_graph_and_the_graph(results):
+    assert value(results, "graph_launch_instantiates_once_and_replays")["destroyed"] == [1, 1]
+    assert value(results, "graph_destroy_without_launch_destroys_only_the_graph") == [0, 1]
+
+
+def test_capture_and_graph_errors_raise_cuda_error_naming_the_call(results):
+    v = value(results, "capture_and_graph_errors_raise_cuda_error")
+    assert v["end_not_capturing"][:3] == ["cuStreamEndCapture", 401, "CUDA_ERROR_ILLEGAL_STATE"]
+    assert v["instantiate"][:3] == ["cuGraphInstantiate", 2, "CUDA_ERROR_OUT_OF_MEMORY"]
+    assert v["launch"][:3] == ["cuGraphLaunch", 1, "CUDA_ERROR_INVALID_VALUE"]
+    assert v["begin"][:3] == ["cuStreamBeginCapture", 1, "CUDA_ERROR_INVALID_VALUE"]
+    assert v["exec_destroy"][:3] == ["cuGraphExecDestroy", 400, "CUDA_ERROR_INVALID_HANDLE"]
+    assert v["bad_graph"][:3] == ["cuGraphDestroy", 1, "CUDA_ERROR_INVALID_VALUE"]
+    assert "global, thread_local, relaxed" in v["bad_mode"]
+
+
+def test_a_failed_instantiation_is_not_cached_and_a_failed_launch_keeps_the_executable(results):
+    v = value(results, "capture_and_graph_errors_raise_cuda_error")
+    assert v["instantiated_after_failure"] == 1
+    assert v["instantiated_after_launch_failure"] == 1
+
+
+def test_close_destroys_the_cached_executable_graphs_but_not_the_graphs(results):
+    cached_before, cached_after, execs_destroyed, graphs_destroyed_later = value(
+        results, "close_destroys_the_cached_executable_graphs")
+    assert (cached_before, cached_after, execs_destroyed) == (1, 0, 1)
+    assert graphs_destroyed_later == 1
+
+
+# --------------------------------------------------------------- relaxed mode around memory
+
+def test_segment_alloc_and_free_run_in_relaxed_mode_and_restore_the_callers(results):
+    v = value(results, "segment_alloc_and_free_run_in_relaxed_mode_and_restore_it")
+    assert v["alloc"] == ["exchange:0->2", "cuMemAlloc@2", "exchange:2->0"]
+    assert v["free"] == ["exchange:0->2", "cuMemFree@2", "exchange:2->0"]
+    assert v["thread_local"] == ["exchange:1->2", "cuMemAlloc@2", "exchange:2->1",
+                                 "exchange:1->2", "cuMemFree@2", "exchange:2->1"]
+    assert v["mode_after"] == 1
+
+
+def test_relaxed_mode_costs_two_exchanges_per_segment_and_none_on_a_cache_hit(results):
+    v = value(results, "segment_alloc_and_free_run_in_relaxed_mode_and_restore_it")
+    assert v["per_alloc"] == 2
+    assert v["hit"] == [True, 0, []]
+
+
+def test_relaxed_mode_is_restored_when_cumemalloc_fails_or_runs_out_of_memory(results):
+    v = value(results, "relaxed_mode_is_restored_when_the_allocation_fails")
+    assert v["error"] == ["cuMemAlloc", 700, "CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert v["error_log"] == ["exchange:0->2", "exchange:2->0"] and v["error_mode"] == 0
+    assert v["oom"] == "OutOfMemoryError" and v["oom_mode"] == 0
+    assert v["oom_log"][:3] == ["exchange:0->2", "cuMemAlloc@2", "exchange:2->0"]
+
+
+def test_a_failed_capture_mode_exchange_raises_cuda_error(results):
+    first, nothing_allocated, restore = value(results, "a_failed_mode_exchange_raises_and_allocates_nothing")
+    assert first == ["cuThreadExchangeStreamCaptureMode", 1, "CUDA_ERROR_INVALID_VALUE"]
+    assert nothing_allocated is True
+    assert restore == ["cuThreadExchangeStreamCaptureMode", 1, "CUDA_ERROR_INVALID_VALUE"]
+
+
+def test_a_new_segment_during_a_global_capture_succeeds_and_keeps_the_capture(results):
+    v = value(results, "a_new_segment_during_a_global_capture_keeps_the_capture_valid")
+    assert v["log"] == ["exchange:0->2", "cuMemAlloc@2", "exchange:2->0"]
+    assert v["same_capture"] is True and v["status"] == 1
+    assert v["mode_after"] == 0
+
+
+def test_expandable_segments_reserve_map_unmap_and_release_in_relaxed_mode(results):
+    v = value(results, "expandable_segments_map_and_unmap_in_relaxed_mode")
+    assert v["grow"] == ["exchange:0->2", "cuMemGetInfo@2", "exchange:2->0",
+                         "exchange:0->2", "cuMemAddressReserve@2", "exchange:2->0",
+                         "exchange:0->2", "cuMemCreate@2", "cuMemMap@2", "cuMemSetAccess@2",
+                         "exchange:2->0"]
+    assert v["status"] == 1                                  # the capture stayed valid
+    assert v["mapped"] == [20 * MiB, 20 * MiB]
+    assert v["shrink"] == ["exchange:0->2", "cuMemUnmap@2", "cuMemRelease@2", "exchange:2->0",
+                           "exchange:0->2", "cuMemAddressFree@2", "exchange:2->0"]
+    assert v["after"] == [0, 0, 0] and v["mode_after"] == 0
+
+
+# ------------------------------------------------------------------ events during capture
+
+def test_event_query_and_synchronize_during_a_global_capture_raise_readable_cuda_errors(results):
+    v = value(results, "event_calls_during_a_capture_raise_readable_cuda_errors")
+    assert v["query"] == ["cuEventQuery", 900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                          "cuEventQuery failed with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900 "
+                          "(operation not permitted when stream is capturing)"]
+    assert v["query_invalidated"] is True
+    assert v["end"] == ["cuStreamEndCapture", 901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]
+    assert v["synchronize"] == ["cuEventSynchronize", 900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"]
+
+
+def test_a_captured_event_cannot_be_queried_or_synchronized(results):
+    v = value(results, "event_calls_during_a_capture_raise_readable_cuda_errors")
+    assert v["relaxed_query_outside"] is False               # allowed in relaxed mode: pending
+    assert v["captured_query"] == ["cuEventQuery", 907, "CUDA_ERROR_CAPTURED_EVENT"]
+    assert v["captured_synchronize"] == ["cuEventSynchronize", 907, "CUDA_ERROR_CAPTURED_EVENT"]
+
+
+def test_capture_error_codes_have_names_and_descriptions(results):
+    names = {int(k): v[0] for k, v in value(results, "capture_error_names_are_readable").items()}
+    assert names == {900: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", 901: "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+                     906: "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", 907: "CUDA_ERROR_CAPTURED_EVENT",
+                     908: "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD"}
+    assert all(v[1] for v in value(results, "capture_error_names_are_readable").values())
