@@ -58,6 +58,7 @@ cdef class DeviceCachingAllocator:
     cdef int empty_cache_locked(self) except -1
     cdef int try_allocate_block(self, size_t size, uintptr_t stream, Block** out) except -1
     cdef raise_oom(self, size_t requested)
+    cdef bint routes_capture(self, unsigned long long capture_id) noexcept
 
 
 cdef class Buffer:

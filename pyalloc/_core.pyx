@@ -254,6 +254,13 @@ cdef class DeviceCachingAllocator:
     cdef raise_oom(self, size_t requested):
         raise_out_of_memory(self, requested)
 
+    cdef bint routes_capture(self, unsigned long long capture_id) noexcept:
+        """Whether a route sends the allocations of capture `capture_id` to a private pool."""
+        for r in self.captures_underway:
+            if r.kind == ROUTE_CAPTURE and r.value == capture_id:
+                return True
+        return False
+
     # ------------------------------------------------------------------------- settings
 
     def _apply_settings(self, object settings):

@@ -5,6 +5,7 @@ FrameworkMalloc serves CuPy's set_allocator hook today. It is Cython because it 
 framework allocation; it reaches the allocator through the C methods _core.pxd declares.
 """
 from libc.stdint cimport uintptr_t, intptr_t
+from libcpp.vector cimport vector
 from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
 
 from pyalloc._types cimport Block
@@ -49,9 +50,10 @@ cdef class FrameworkMalloc:
     cdef readonly object pyalloc_device
     cdef device_id_fn _c_device_id
     cdef stream_ptr_fn _c_stream_ptr
+    cdef bint _detect_capture
 
     def __init__(self, device_id, current_stream, registry, create, wrap_memory, wrap_pointer,
-                 after_oom, device=None, fallback=None, c_entry_points=None):
+                 after_oom, device=None, fallback=None, c_entry_points=None, detect_capture=False):
         self._device_id = device_id
         self._current_stream = current_stream
         self._registry_vars = vars(registry)
@@ -61,6 +63,7 @@ cdef class FrameworkMalloc:
         self._after_oom = after_oom
         self.pyalloc_device = device
         self._fallback = fallback
+        self._detect_capture = detect_capture
         self._c_device_id = NULL
         self._c_stream_ptr = NULL
         if c_entry_points is not None:
@@ -104,6 +107,8 @@ cdef class FrameworkMalloc:
             stream = <uintptr_t>self._c_stream_ptr(dev_c)
         else:
             stream = stream_handle(self._current_stream().ptr)
+        if self._detect_capture and stream != 0:
+            check_capture_is_routed(<DeviceCachingAllocator?>alloc, stream)
         cdef Buffer buf = Buffer.__new__(Buffer)
         buf.allocator = <DeviceCachingAllocator?>alloc
         buf.size = size
@@ -120,6 +125,22 @@ cdef class FrameworkMalloc:
             return self._wrap_pointer(self._wrap_memory(0, nbytes, buf, dev), 0)
         buf.ptr = b.ptr
         return self._wrap_pointer(self._wrap_memory(address_object(b), nbytes, buf, dev), 0)
+
+
+cdef int check_capture_is_routed(DeviceCachingAllocator alloc, uintptr_t stream) except -1:
+    """Refuse an allocation on a stream that captures a graph no route covers: its blocks would
+    return to the default pool and be handed to arrays made after the capture, which the graph's
+    replays would then overwrite. One driver query (cuStreamGetCaptureInfo) per call."""
+    cdef unsigned long long capture_id = 0
+    cdef vector[uintptr_t] terminals
+    if alloc.backend.capture_info(stream, &capture_id, &terminals) and not alloc.routes_capture(capture_id):
+        raise RuntimeError(
+            f"stream {stream:#x} is capturing a CUDA graph that pyalloc does not know of (CuPy's "
+            "Stream.begin_capture() called directly): memory allocated in it would be reused by "
+            "arrays made after the capture and overwritten by the graph's replays. Capture with "
+            "`with pyalloc.cupy.graph(stream) as g:` instead (or install(detect_capture=False) to "
+            "skip this check at your own risk).")
+    return 0
 
 
 cdef inline bint capsule_named(object capsule, str name):

@@ -106,13 +106,19 @@ def _check_backend(alloc):
             f"(pyalloc.set_default_backend(None) or 'cuda')")
 
 
-def allocator(device=None, fallback=None):
+def allocator(device=None, fallback=None, detect_capture=True):
     """A CuPy allocator function (nbytes -> cupy.cuda.MemoryPointer) over pyalloc.
 
     device: None serves every device; an ordinal serves only allocations made while that device
     is CuPy's current one, and passes the others to `fallback` (CuPy's allocator of your choice;
     required then). Use it with cupy.cuda.set_allocator or cupy.cuda.using_allocator, or let
     install()/using() do that.
+
+    detect_capture: before each allocation on a non-default stream, ask the driver whether the
+    stream is capturing a graph that pyalloc does not route (CuPy code that called
+    Stream.begin_capture() itself); such an allocation raises RuntimeError naming
+    pyalloc.cupy.graph, because its memory would be handed to arrays made after the capture and
+    overwritten by the graph's replays. False skips the check (and its driver call).
     """
     cupy = _import_cupy()
     if device is not None:
@@ -141,7 +147,7 @@ def allocator(device=None, fallback=None):
     # malloc, CuPy's two wrapper objects.
     return FrameworkMalloc(get_device_id, get_current_stream, defaults, new_allocator,
                            UnownedMemory, MemoryPointer, malloc_after_oom, device, fallback,
-                           c_entry_points=_c_entry_points(cupy))
+                           c_entry_points=_c_entry_points(cupy), detect_capture=detect_capture)
 
 
 def _c_entry_points(cupy):
@@ -172,12 +178,13 @@ def _check_default_backend():
             raise NoCudaDriverError(f"pyalloc.cupy needs a GPU: {cuda_backend.unavailable_reason()}")
 
 
-def install(device=None):
+def install(device=None, detect_capture=True):
     """Make pyalloc CuPy's allocator for the whole process (cupy.cuda.set_allocator).
 
     device: None routes every device through pyalloc; an ordinal routes only that device and
     leaves the others to the allocator CuPy had before. Installing again replaces the previous
     install (keeping the allocator from before the first one for uninstall).
+    detect_capture: see allocator().
     Raises NoCudaDriverError when there is no GPU (or the default backend is not the GPU).
     """
     global _installed
@@ -185,7 +192,7 @@ def install(device=None):
     _check_default_backend()
     with _lock:
         previous = _installed[1] if _installed is not None else cupy.cuda.get_allocator()
-        fn = allocator(device, previous if device is not None else None)
+        fn = allocator(device, previous if device is not None else None, detect_capture=detect_capture)
         cupy.cuda.set_allocator(fn)
         _installed = (fn, previous)
 
@@ -214,7 +221,7 @@ def is_installed():
 
 
 @contextlib.contextmanager
-def using(device=None):
+def using(device=None, detect_capture=True):
     """Within the block, this thread's CuPy allocations go through pyalloc
     (cupy.cuda.using_allocator: thread-local, nestable; the previous allocator comes back after).
 
@@ -222,7 +229,8 @@ def using(device=None):
     """
     cupy = _import_cupy()
     _check_default_backend()
-    fn = allocator(device, cupy.cuda.get_allocator() if device is not None else None)
+    fn = allocator(device, cupy.cuda.get_allocator() if device is not None else None,
+                   detect_capture=detect_capture)
     with cupy.cuda.using_allocator(fn):
         yield fn
 
@@ -234,10 +242,72 @@ def use_mem_pool(pool):
     RuntimeError when pyalloc is not CuPy's allocator (install() or using() first).
     """
     from pyalloc import defaults, pools
-    if _installed is None:
+    if not _is_cupys_allocator(_import_cupy()):
         raise RuntimeError("pyalloc is not CuPy's allocator: call pyalloc.cupy.install() (or use "
                            "pyalloc.cupy.using()) before pyalloc.cupy.use_mem_pool")
     if not isinstance(pool, pools.MemPool) or defaults.default_allocators().get(pool.allocator.device) is not pool.allocator:
         raise ValueError(f"{pool!r} is not a MemPool of pyalloc's default allocators "
                          "(make it with pyalloc.MemPool(device))")
     return pools.use_mem_pool(pool)
+
+
+class _CupyCapture:
+    """Capture through CuPy's own Stream.begin_capture / end_capture (the graph is CuPy's Graph),
+    with the capture stream made CuPy's current stream for the duration."""
+
+    def __init__(self, cupy, stream):
+        self.cupy = cupy
+        self.stream = stream
+
+    def begin(self, mode):
+        runtime = self.cupy.cuda.runtime
+        modes = {"global": "streamCaptureModeGlobal", "thread_local": "streamCaptureModeThreadLocal",
+                 "relaxed": "streamCaptureModeRelaxed"}
+        self.stream.__enter__()
+        try:
+            self.stream.begin_capture(mode=getattr(runtime, modes[mode]))
+        except BaseException:
+            self.stream.__exit__(None, None, None)
+            raise
+
+    def end(self):
+        try:
+            return self.stream.end_capture()
+        finally:
+            self.stream.__exit__(None, None, None)
+
+    def launch(self, graph, stream):
+        graph.launch(self.cupy.cuda.ExternalStream(stream) if stream != self.stream.ptr else self.stream)
+
+    def destroy(self, graph):
+        pass          # CuPy's Graph destroys its CUDA graph when it is collected
+
+
+def graph(stream=None, pool=None, capture_error_mode="global"):
+    """Capture CuPy work into a CUDA graph whose memory comes from a private pool of pyalloc's
+    default allocator for CuPy's current device (pyalloc.graphs.Graph; as torch.cuda.graph).
+
+        with pyalloc.cupy.graph() as g:      # a new non-blocking stream, made current inside
+            y = x * 2                         # allocations in the capture go to g's pool
+        g.launch()                            # replay; g.graph is CuPy's Graph
+
+    Arrays made after the capture never share memory with the graph's, so replays cannot
+    overwrite them. Keep `g` alive while the graph is replayed: it holds the pool. `pool` shares
+    another graph's pool (g.pool(), graph_pool_handle() or a MemPool). Needs install() first.
+    """
+    from pyalloc import defaults
+    from pyalloc.graphs import Graph
+    cupy = _import_cupy()
+    if not _is_cupys_allocator(cupy):
+        raise RuntimeError("pyalloc is not CuPy's allocator: call pyalloc.cupy.install() (or use "
+                           "pyalloc.cupy.using()) before pyalloc.cupy.graph")
+    if stream is None:
+        stream = cupy.cuda.Stream(non_blocking=True)
+    alloc = defaults.get_allocator(cupy.cuda.Device().id)
+    return Graph(alloc, stream.ptr, pool=pool, capture_error_mode=capture_error_mode,
+                 capture=_CupyCapture(cupy, stream))
+
+
+def _is_cupys_allocator(cupy):
+    """Whether CuPy's allocator for this thread now is one of pyalloc's."""
+    return isinstance(cupy.cuda.get_allocator(), FrameworkMalloc)

@@ -24,6 +24,29 @@ from pyalloc._core import new_mempool_id
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
+class BackendCapture:
+    """How a Graph captures and replays: through the allocator's backend (cuStreamBeginCapture
+    and friends on a GPU, the simulated capture on a SimDevice). pyalloc.cupy has one that goes
+    through CuPy's Stream.begin_capture instead, so that the graph is CuPy's own."""
+
+    def __init__(self, backend, stream):
+        self.backend = backend
+        self.stream = stream
+
+    def begin(self, mode):
+        self.backend.begin_capture(self.stream, mode)
+
+    def end(self):
+        """End the capture; returns the graph (here: the backend's handle)."""
+        return self.backend.end_capture(self.stream)
+
+    def launch(self, graph, stream):
+        self.backend.launch_graph(graph, stream)
+
+    def destroy(self, graph):
+        self.backend.destroy_graph(graph)
+
+
 def _pool_id(pool):
     """A pool given as an id tuple, a Graph (its pool) or a MemPool."""
     from pyalloc.pools import MemPool
@@ -53,7 +76,7 @@ class Graph:
     Use as a context manager; after it: replay(), pool(), reset().
     """
 
-    def __init__(self, allocator, stream, pool=None, capture_error_mode="global"):
+    def __init__(self, allocator, stream, pool=None, capture_error_mode="global", capture=None):
         from pyalloc._core import stream_handle_of
         if capture_error_mode not in CAPTURE_ERROR_MODES:
             raise ValueError(f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)}, "
@@ -64,6 +87,7 @@ class Graph:
                              "(got the default stream 0)")
         self.allocator = allocator
         self.stream = handle
+        self._capture = capture if capture is not None else BackendCapture(allocator.backend, handle)
         self.capture_error_mode = capture_error_mode
         self._pool_id = _pool_id(pool) or new_mempool_id(False)
         self._graph = None            # backend graph handle once captured
@@ -81,29 +105,29 @@ class Graph:
     def __enter__(self):
         if self._state != "new":
             raise RuntimeError(f"this graph was already {self._state}; make a new Graph to capture again")
-        backend = self.allocator.backend
-        backend.begin_capture(self.stream, self.capture_error_mode)
+        self._capture.begin(self.capture_error_mode)
         try:
-            capture_id, _ = backend.stream_capture_info(self.stream)
-            self.allocator.begin_allocate_to_pool(self._pool_id, ("capture", capture_id))
+            info = self.allocator.backend.stream_capture_info(self.stream)
+            if info is None:
+                raise RuntimeError(f"stream {self.stream} is not capturing after begin_capture")
+            self.allocator.begin_allocate_to_pool(self._pool_id, ("capture", info[0]))
         except BaseException:
-            backend.destroy_graph(backend.end_capture(self.stream))
+            self._capture.destroy(self._capture.end())
             raise
         self._holds_pool = True
         self._state = "capturing"
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        backend = self.allocator.backend
         try:
-            graph = backend.end_capture(self.stream)
+            graph = self._capture.end()
         except BaseException:
             self._finish(failed=True)
             if exc_type is None:
                 raise
             return False          # the body's exception is the one to see
         if exc_type is not None:
-            backend.destroy_graph(graph)
+            self._capture.destroy(graph)
             self._finish(failed=True)
             return False
         self._graph = graph
@@ -129,8 +153,15 @@ class Graph:
         from pyalloc._core import stream_handle_of
         if self._state != "captured":
             raise RuntimeError(f"replay needs a captured graph; this one is {self._state}")
-        self.allocator.backend.launch_graph(self._graph, self.stream if stream is None
-                                            else stream_handle_of(stream))
+        self._capture.launch(self._graph, self.stream if stream is None else stream_handle_of(stream))
+
+    launch = replay       # CuPy's name for it
+
+    @property
+    def graph(self):
+        """The captured graph (a backend handle, or CuPy's Graph for pyalloc.cupy.graph). Keep this
+        Graph object alive as long as the graph is replayed: it holds the graph's memory pool."""
+        return self._graph
 
     def reset(self):
         """Destroy the graph and drop its use of the pool (freed once nothing else uses it)."""
@@ -138,7 +169,7 @@ class Graph:
             raise RuntimeError("reset during capture: leave the `with` block first")
         if self._graph is not None:
             graph, self._graph = self._graph, None
-            self.allocator.backend.destroy_graph(graph)
+            self._capture.destroy(graph)
         self._state = "reset"
         self._release_pool()
 
