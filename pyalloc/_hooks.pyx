@@ -13,6 +13,14 @@ from pyalloc._backend cimport BACKEND_OOM
 from pyalloc._core cimport DeviceCachingAllocator, Buffer, address_object
 from pyalloc._validate cimport stream_handle, request_size
 from pyalloc.errors import OutOfMemoryError
+from pyalloc._core import new_mempool_id
+
+# What FrameworkMalloc does on an allocation in a graph capture that no route covers.
+DETECT_MODES = ("off", "route", "error")        # by the values below
+cdef enum:
+    DETECT_OFF = 0
+    DETECT_ROUTE = 1
+    DETECT_ERROR = 2
 
 
 ctypedef int (*device_id_fn)(int) except? -1          # CuPy's cpdef get_device_id (skip_dispatch arg)
@@ -50,10 +58,12 @@ cdef class FrameworkMalloc:
     cdef readonly object pyalloc_device
     cdef device_id_fn _c_device_id
     cdef stream_ptr_fn _c_stream_ptr
-    cdef bint _detect_capture
+    cdef int _detect_capture             # DETECT_OFF, DETECT_ROUTE or DETECT_ERROR
+    cdef list _detected                  # [allocator, stream, capture id, pool id] of routed captures
+    cdef readonly list detected_pools    # pool ids of the captures routed on detection (kept)
 
     def __init__(self, device_id, current_stream, registry, create, wrap_memory, wrap_pointer,
-                 after_oom, device=None, fallback=None, c_entry_points=None, detect_capture=False):
+                 after_oom, device=None, fallback=None, c_entry_points=None, detect_capture="off"):
         self._device_id = device_id
         self._current_stream = current_stream
         self._registry_vars = vars(registry)
@@ -63,7 +73,12 @@ cdef class FrameworkMalloc:
         self._after_oom = after_oom
         self.pyalloc_device = device
         self._fallback = fallback
-        self._detect_capture = detect_capture
+        if detect_capture not in DETECT_MODES:
+            raise ValueError(f"detect_capture must be one of {', '.join(map(repr, DETECT_MODES))}, "
+                             f"got {detect_capture!r}")
+        self._detect_capture = DETECT_MODES.index(detect_capture)
+        self._detected = []
+        self.detected_pools = []
         self._c_device_id = NULL
         self._c_stream_ptr = NULL
         if c_entry_points is not None:
@@ -74,6 +89,49 @@ cdef class FrameworkMalloc:
                     device_capsule, PyCapsule_GetName(device_capsule))
                 self._c_stream_ptr = <stream_ptr_fn>PyCapsule_GetPointer(
                     stream_capsule, PyCapsule_GetName(stream_capsule))
+
+    cdef int _check_capture(self, DeviceCachingAllocator alloc, uintptr_t stream) except -1:
+        """A capture pyalloc does not route (CuPy's Stream.begin_capture() called directly): route
+        it into a new private pool that is kept for the life of the allocator (nothing tells when
+        the graph dies, and its replays use that memory), or refuse. One driver query
+        (cuStreamGetCaptureInfo) per allocation off the legacy stream; while routes made here
+        exist, also one per such route to notice the end of its capture."""
+        cdef unsigned long long capture_id = 0
+        cdef vector[uintptr_t] terminals
+        if self._detected:
+            self._end_finished_captures()
+        if stream == 0 or not alloc.backend.capture_info(stream, &capture_id, &terminals):
+            return 0
+        if alloc.routes_capture(capture_id):
+            return 0
+        if self._detect_capture == DETECT_ERROR:
+            raise RuntimeError(
+                f"stream {stream:#x} is capturing a CUDA graph that pyalloc does not know of (CuPy's "
+                "Stream.begin_capture() called directly): memory allocated in it would be reused by "
+                "arrays made after the capture and overwritten by the graph's replays. Capture with "
+                "`with pyalloc.cupy.graph(stream) as g:` instead.")
+        pool_id = new_mempool_id(False)
+        alloc.begin_allocate_to_pool(pool_id, ("capture", capture_id))
+        self._detected.append((alloc, stream, capture_id, pool_id))
+        self.detected_pools.append((alloc.backend.device, pool_id))
+        return 0
+
+    cdef int _end_finished_captures(self) except -1:
+        cdef unsigned long long capture_id = 0
+        cdef vector[uintptr_t] terminals
+        cdef DeviceCachingAllocator alloc
+        still = []
+        for entry in self._detected:
+            alloc = entry[0]
+            terminals.clear()
+            if (alloc.backend.capture_info(entry[1], &capture_id, &terminals)
+                    and capture_id == entry[2]):
+                still.append(entry)
+            else:
+                # Its capture is over: stop routing. The pool keeps its use (never released).
+                alloc.end_allocate_to_pool(entry[3])
+        self._detected = still
+        return 0
 
     @property
     def uses_c_entry_points(self):
@@ -107,8 +165,8 @@ cdef class FrameworkMalloc:
             stream = <uintptr_t>self._c_stream_ptr(dev_c)
         else:
             stream = stream_handle(self._current_stream().ptr)
-        if self._detect_capture and stream != 0:
-            check_capture_is_routed(<DeviceCachingAllocator?>alloc, stream)
+        if self._detect_capture and (stream != 0 or self._detected):
+            self._check_capture(<DeviceCachingAllocator?>alloc, stream)
         cdef Buffer buf = Buffer.__new__(Buffer)
         buf.allocator = <DeviceCachingAllocator?>alloc
         buf.size = size
@@ -125,22 +183,6 @@ cdef class FrameworkMalloc:
             return self._wrap_pointer(self._wrap_memory(0, nbytes, buf, dev), 0)
         buf.ptr = b.ptr
         return self._wrap_pointer(self._wrap_memory(address_object(b), nbytes, buf, dev), 0)
-
-
-cdef int check_capture_is_routed(DeviceCachingAllocator alloc, uintptr_t stream) except -1:
-    """Refuse an allocation on a stream that captures a graph no route covers: its blocks would
-    return to the default pool and be handed to arrays made after the capture, which the graph's
-    replays would then overwrite. One driver query (cuStreamGetCaptureInfo) per call."""
-    cdef unsigned long long capture_id = 0
-    cdef vector[uintptr_t] terminals
-    if alloc.backend.capture_info(stream, &capture_id, &terminals) and not alloc.routes_capture(capture_id):
-        raise RuntimeError(
-            f"stream {stream:#x} is capturing a CUDA graph that pyalloc does not know of (CuPy's "
-            "Stream.begin_capture() called directly): memory allocated in it would be reused by "
-            "arrays made after the capture and overwritten by the graph's replays. Capture with "
-            "`with pyalloc.cupy.graph(stream) as g:` instead (or install(detect_capture=False) to "
-            "skip this check at your own risk).")
-    return 0
 
 
 cdef inline bint capsule_named(object capsule, str name):

@@ -106,7 +106,7 @@ def _check_backend(alloc):
             f"(pyalloc.set_default_backend(None) or 'cuda')")
 
 
-def allocator(device=None, fallback=None, detect_capture=True):
+def allocator(device=None, fallback=None, detect_capture="route"):
     """A CuPy allocator function (nbytes -> cupy.cuda.MemoryPointer) over pyalloc.
 
     device: None serves every device; an ordinal serves only allocations made while that device
@@ -114,11 +114,14 @@ def allocator(device=None, fallback=None, detect_capture=True):
     required then). Use it with cupy.cuda.set_allocator or cupy.cuda.using_allocator, or let
     install()/using() do that.
 
-    detect_capture: before each allocation on a non-default stream, ask the driver whether the
-    stream is capturing a graph that pyalloc does not route (CuPy code that called
-    Stream.begin_capture() itself); such an allocation raises RuntimeError naming
-    pyalloc.cupy.graph, because its memory would be handed to arrays made after the capture and
-    overwritten by the graph's replays. False skips the check (and its driver call).
+    detect_capture: what to do about CuPy code that calls Stream.begin_capture() itself (memory
+    allocated in such a capture would otherwise go back to the shared cache and be handed to
+    arrays made after it, which the graph's replays then overwrite). Before each allocation on a
+    non-default stream pyalloc asks the driver whether the stream captures a graph it does not
+    route: "route" (default) routes that capture into a new private pool, kept for the life of
+    the allocator, since nothing tells when the graph dies (pyalloc.cupy.graph frees its pool
+    with the graph); "error" refuses the allocation with a RuntimeError naming
+    pyalloc.cupy.graph; "off" skips the check and its driver query.
     """
     cupy = _import_cupy()
     if device is not None:
@@ -178,7 +181,7 @@ def _check_default_backend():
             raise NoCudaDriverError(f"pyalloc.cupy needs a GPU: {cuda_backend.unavailable_reason()}")
 
 
-def install(device=None, detect_capture=True):
+def install(device=None, detect_capture="route"):
     """Make pyalloc CuPy's allocator for the whole process (cupy.cuda.set_allocator).
 
     device: None routes every device through pyalloc; an ordinal routes only that device and
@@ -221,7 +224,7 @@ def is_installed():
 
 
 @contextlib.contextmanager
-def using(device=None, detect_capture=True):
+def using(device=None, detect_capture="route"):
     """Within the block, this thread's CuPy allocations go through pyalloc
     (cupy.cuda.using_allocator: thread-local, nestable; the previous allocator comes back after).
 
