@@ -304,15 +304,16 @@ def tune_page(result, curves, title=None):
             saving = "-"
         else:
             frac = row.saving_fraction
-            saving = (("-" if row.saving < 0 else "+" if row.saving > 0 else "") + format_bytes(abs(row.saving))
-                      + (f" ({frac:+.1%})" if frac is not None else ""))
+            saving = _esc(("-" if row.saving < 0 else "+" if row.saving > 0 else "") + format_bytes(abs(row.saving)))
+            if frac is not None:
+                saving += f'<br><span class="muted">{frac:+.1%}</span>'
         cls = " ".join(c for c in ("own" if row.own else "", "best" if row is result.best else "") if c)
         cls_attr = f' class="{cls}"' if cls else ""
         body_rows.append(
             f'<tr id="row-{i}" data-config="{_esc(row.config)}" data-peak="{r.peak_reserved}"'
             f'{cls_attr}><td><span class="sw" style="background:{rows_data[i]["colour"]}"></span></td>'
             f'<td>{_esc(row.config or "(defaults)").replace(",", ",<wbr>")}{" *" if row.own else ""}</td>{_bytes_cell(r.peak_reserved)}'
-            f'<td class="num">{ratio}</td><td class="num">{_esc(saving)}</td><td class="num">{r.num_device_alloc:,}</td>'
+            f'<td class="num">{ratio}</td><td class="num">{saving}</td><td class="num">{r.num_device_alloc:,}</td>'
             f'<td class="num">{r.num_ooms:,}</td></tr>')
     if base.result is not None:
         b = base.result
@@ -374,9 +375,9 @@ border-radius:6px;font-size:12px;line-height:1.4;max-width:460px;z-index:10;whit
 .recommend .label{font-size:.8rem;color:#166534;text-transform:uppercase;letter-spacing:.05em}
 .recommend pre{font-size:1.05rem;margin:4px 0;white-space:pre-wrap;word-break:break-all}
 .blk{stroke:#fff;stroke-width:.4}
-#tune-table td:nth-child(2){min-width:12em}#tune-table td:first-child{padding-right:0}
-#tune-table th{white-space:nowrap}#tune-svg .axis text{font-size:14px}
-.split{display:grid;grid-template-columns:minmax(0,5fr) minmax(0,4fr);gap:24px;align-items:start}
+#tune-table td:first-child{padding-right:0}#tune-svg .axis text{font-size:14px}
+.split{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1fr);gap:24px;align-items:start}
+.split>div{min-width:0;overflow-x:auto}#tune-table{font-size:.8rem}#tune-table th{white-space:normal}#tune-table th,#tune-table td{padding:3px 5px}
 @media (max-width:1100px){.split{grid-template-columns:1fr}}
 #tune-table tr{cursor:default}#tune-table tr.hl td{background:#eef2ff}#tune-table tr.best td{font-weight:600}
 .curve{fill:none;stroke-width:1.4;opacity:.8}.curve.best{stroke-width:3;opacity:1}.curve.dim{opacity:.12}.curve.hl{stroke-width:3.2;opacity:1}

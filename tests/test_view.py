@@ -570,3 +570,11 @@ def test_tune_page_puts_the_table_beside_the_chart(tab, tune_page):
         t = document.getElementById('tune-table').getBoundingClientRect();
         return {beside: t.left >= c.right, overlap: t.top < c.bottom && c.top < t.bottom}; })()""")
     assert boxes == {"beside": True, "overlap": True}
+
+
+@needs_browser
+def test_tune_page_hovering_a_row_picks_out_its_curve(tab, tune_page):
+    tab.load(url(tune_page["page"]))
+    tab.hover("#row-1")
+    picked = tab.evaluate("[...document.querySelectorAll('#tune-svg path.curve.hl')].map(p => p.dataset.row)")
+    assert picked == ["row-1"]
