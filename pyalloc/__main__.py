@@ -5,6 +5,9 @@ allocation stream on the simulated device, so they need no GPU. `replay` prints 
 setting; `tune` ranks a grid of settings (those that fit the device by peak reserved memory, then
 those that ran out of memory) and prints the best one as a PYTORCH_CUDA_ALLOC_CONF line.
 
+`view` shows where a trace's memory went (pyalloc.view): a terminal summary, or with -o one
+self-contained HTML page (pyalloc.report_html); `tune --html` draws each setting's curve.
+
 Exit statuses: see EXIT_STATUSES (also printed by --help).
 """
 from __future__ import annotations
@@ -350,6 +353,8 @@ def _cmd_tune(args) -> int:
         except ConfigError as err:
             raise _config_error(err, "--config") from None
     snapshot, entries = _load_trace(args.trace, args.device)
+    if args.html:
+        _check_html_path(args.html, "--html")
     # --config alone tries just those settings; --grid adds a whole grid to them.
     grid = args.grid if args.grid is not None else (None if args.config else "default")
     with _Progress("tune", "setting") as bar:
@@ -365,10 +370,66 @@ def _cmd_tune(args) -> int:
         print(json.dumps(result.as_dict()))
     else:
         print(format_report(result))
+    if args.html:
+        _write_tune_html(args.html, result, snapshot, quiet=args.json)
     if result.best is None:
         print(f"pyalloc: error: no setting could be replayed ({len(result.failed)} failed, "
               f"{len(result.skipped)} skipped)", file=sys.stderr)
         return 1
+    return 0
+
+
+# -- view -------------------------------------------------------------------------------------------
+
+def _check_html_path(path: str, what: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"{what} {path!r}: folder {folder!r} does not exist")
+    if os.path.isdir(path):
+        raise CliError(f"{what} {path!r} is a folder; give a file name such as report.html")
+
+
+def _write_html(path: str, text: str, what: str) -> None:
+    from pyalloc.report_html import write
+
+    try:
+        write(path, text)
+    except OSError as err:
+        raise CliError(f"{what} {path!r}: {err.strerror or err}") from None
+
+
+def _write_tune_html(path: str, result, snapshot, quiet: bool) -> None:
+    from pyalloc.report_html import tune_page
+    from pyalloc.view import tune_curves
+
+    _write_html(path, tune_page(result, tune_curves(result, snapshot)), "--html")
+    if not quiet:     # --json: stdout holds the JSON object only
+        print(f"chart written to {path}")
+
+
+def _cmd_view(args) -> int:
+    from pyalloc.errors import format_bytes
+    from pyalloc.view import analyze, format_summary
+
+    if args.output:
+        _check_html_path(args.output, "-o")
+    snapshot, _ = _load_trace(args.snapshot, args.device)
+    try:
+        view = analyze(snapshot, device=args.device, path=args.snapshot)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise CliError(f"{args.snapshot!r}: a trace entry lacks a field or has one of the wrong type "
+                       f"({type(err).__name__}: {err})") from None
+    if not args.output:
+        print(format_summary(view))
+        return 0
+    from pyalloc.report_html import view_page
+
+    page = view_page(view)
+    _write_html(args.output, page, "-o")
+    series = view.peak_series
+    value, event = view.peaks[series]
+    print(f"{args.output}: {len(page.encode()) / 1e6:.2f} MB; peak {series} {format_bytes(value)} "
+          f"at event {event:,}" + (f"; {len(view.ooms):,} out-of-memory events" if view.ooms else ""))
     return 0
 
 
@@ -439,7 +500,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a setting string to try (repeatable); without --grid only these run")
     t.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
                    help="worker processes (default: the number of CPUs)")
+    t.add_argument("--html", default=None, metavar="PATH",
+                   help="also write a self-contained HTML page: each setting's reserved memory over "
+                        "the trace on one chart, the table beside it")
     t.set_defaults(func=_cmd_tune)
+
+    v = sub.add_parser("view", epilog=EXIT_STATUSES, formatter_class=_HelpFormatter,
+                       help="show where a snapshot's memory went (terminal summary or HTML page)",
+                       description="Rebuild a snapshot's memory over its trace: peak allocated, reserved "
+                                   "and requested bytes and when, out-of-memory events, bytes per "
+                                   "user_metadata tag. With -o, write one self-contained HTML page (no "
+                                   "network): the timeline, the segment maps at the peak and at the first "
+                                   "OOM, the largest live allocations with their stacks, bytes per tag.")
+    v.add_argument("snapshot", metavar="SNAPSHOT",
+                   help="memory snapshot (.pickle or .pickle.gz) from PyTorch or pyalloc, recorded "
+                        "with history on (enabled='all')")
+    v.add_argument("-o", "--output", default=None, metavar="PATH", help="write the HTML page here")
+    v.add_argument("--device", type=_device_arg, default=0, metavar="N",
+                   help="which device's trace to show (default 0)")
+    v.set_defaults(func=_cmd_view)
     return parser
 
 

@@ -119,7 +119,7 @@ def recorded_reservations(snapshot, map_addrs, device_memory, device=0):
 
 
 def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None,
-           on_finish=None, history=False, check=True):
+           on_finish=None, history=False, check=True, progress_every=65536, on_start=None):
     """Replay a snapshot's allocation stream through a CachingAllocator on a SimDevice.
 
     Args:
@@ -131,7 +131,13 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
             (SimDevice(top_down=True)).
         device_memory: simulated device size in bytes (default 80 GiB).
         device: which device's trace to replay.
-        progress: optional callable(done_events, total_events), called every 65536 events.
+        progress: optional callable(done_events, total_events), called after every
+            `progress_every`-th event (not after free_requested entries or 0-byte allocations,
+            which change nothing) and once at the end.
+        progress_every: events between progress calls (default 65536); 1 calls it after every
+            event that can change the allocator's figures.
+        on_start: optional callable(allocator), called with the CachingAllocator before the first
+            event, so that `progress` can sample its statistics (pyalloc.view draws curves so).
         on_finish: optional callable(allocator), called with the CachingAllocator once the last
             event is replayed and before the figures are read (e.g. to write its snapshot).
         history: True records the replay's own memory history (enabled="all", context=None,
@@ -164,7 +170,9 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     alloc = CachingAllocator(device, backend=sim, config=config)
     if history:
         alloc.record_memory_history(enabled="all", context=None, max_entries=sys.maxsize)
-    allocations, matches, _, unknown_frees = replay_entries(alloc, entries, progress)
+    if on_start is not None:
+        on_start(alloc)
+    allocations, matches, _, unknown_frees = replay_entries(alloc, entries, progress, progress_every)
     seconds = time.perf_counter() - started
     if on_finish is not None:
         on_finish(alloc)
