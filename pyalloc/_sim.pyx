@@ -12,9 +12,46 @@ It is a real backend, not a test double: `pyalloc replay` and `pyalloc tune` run
 * cross-stream waits: work launched on a stream after `wait_event` cannot complete before the event;
 * virtual memory for expandable segments: address-space reservations (deterministic, or queued with
   `place_reservations`) whose 2 MiB pages are mapped to physical memory and unmapped on demand;
-  mapped pages count against the same capacity as segments.
+  mapped pages count against the same capacity as segments;
+* stream capture (CUDA graphs) as an allocator sees it: see "Stream capture" below.
 
 Every backend call is counted in `counters`, so tests can prove a cache hit makes none.
+
+Stream capture follows what the CUDA 13 driver does (checked on an H200, driver 580; the cases are
+in tests/test_sim_capture.py), errors raised as pyalloc.CudaError with the driver call, the CUresult
+and a description naming the stream or event and the runtime's error name:
+
+* `begin_capture(stream, mode)` starts capture id 1, 2, ... (per device) on a stream; stream 0 (the
+  legacy stream) is refused (STREAM_CAPTURE_UNSUPPORTED), a stream already in a capture too
+  (ILLEGAL_STATE, the capture carries on).
+* While a stream captures, `launch(stream, count, uses)` queues no work: it adds ONE kernel node
+  after the stream's terminals (cuStreamGetCaptureInfo's dependencies), which become {the node},
+  and returns the node. `count` is the units of work the node is when the graph is launched;
+  `uses` (device pointers the kernel touches) is stored on the node. Outside capture `uses` is
+  ignored.
+* An event recorded in a capturing stream holds the stream's terminals (a capture event). A stream
+  that waits on it joins the capture (not capturing) or adds its nodes to its terminals (same
+  capture; no pruning, as CUDA). A wait on a capture event of another capture is
+  STREAM_CAPTURE_MERGE and invalidates both; a capturing stream's wait on an ordinary event is
+  STREAM_CAPTURE_ISOLATION and invalidates, unless `external=True` (cudaEventWaitExternal), which
+  adds an event-wait node.
+* `end_capture(origin)` returns a graph when every joined stream's terminals are the origin's
+  terminals or their ancestors, else STREAM_CAPTURE_UNJOINED; either way the capture ends for all
+  its streams. On a joined stream it is STREAM_CAPTURE_UNMATCHED and invalidates the capture; from
+  another thread (mode not relaxed) STREAM_CAPTURE_WRONG_THREAD, ending it.
+* Querying or synchronizing a capture event (CAPTURED_EVENT), synchronizing a stream of a capture
+  or the device (STREAM_CAPTURE_UNSUPPORTED) raise and invalidate the capture in every mode. The
+  "potentially unsafe" calls, querying or synchronizing an ordinary event or a stream outside the
+  capture, raise and invalidate as cudaStreamCaptureMode says: prohibited to the thread that began
+  a global or thread-local capture and, in global mode, to every other thread while a global
+  capture is underway (a thread's own mode: `exchange_capture_mode`). An invalidated capture
+  refuses further work (STREAM_CAPTURE_INVALIDATED) until end_capture, which raises that too.
+  After a capture ends, its events are INVALID_VALUE to query, sync or wait on until re-recorded.
+* Allocating and freeing (segments, vm_*) stay legal, as a CUDA backend makes them in relaxed mode;
+  they are counted in counters["memory_calls_during_capture"] as well.
+* `launch_graph(graph, stream)` queues the graph as work on the stream: each kernel node its
+  `count` units (after the external events its wait nodes name), so an event recorded after it
+  completes only when that work has; into a capturing stream it adds one child-graph node.
 """
 from libc.stdint cimport uintptr_t, uint64_t
 from libcpp.map cimport map as cppmap
@@ -24,8 +61,11 @@ from libcpp.vector cimport vector
 from libcpp.deque cimport deque
 from libcpp.pair cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
+from cpython.pythread cimport PyThread_get_thread_ident
 
-from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
+from pyalloc._backend cimport (Backend, BACKEND_OK, BACKEND_OOM, CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL,
+                               CAPTURE_RELAXED)
+from pyalloc.errors import CudaError
 
 cdef size_t MiB = 1 << 20
 cdef size_t GiB = 1 << 30
@@ -51,6 +91,71 @@ cdef struct EventState:
     uint64_t target        # completed count the stream must reach; 0 = never recorded
     bint recorded
     uint64_t seq           # when it was last recorded
+    bint captured          # last recorded in a capture: SimDevice._event_capture holds its nodes
+
+
+# Stream capture. None of this is on a path that runs while no capture is underway: those paths
+# test SimDevice._live (captures begun and not ended) or EventState.captured first.
+
+_MODE_NAMES = ("global", "thread_local", "relaxed")      # by CAPTURE_* value
+
+# CUresult value, driver name and runtime name of the errors a capture can raise.
+_ERRORS = {
+    "invalid_value": (1, "CUDA_ERROR_INVALID_VALUE", "cudaErrorInvalidValue"),
+    "illegal_state": (401, "CUDA_ERROR_ILLEGAL_STATE", "cudaErrorIllegalState"),
+    "unsupported": (900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "cudaErrorStreamCaptureUnsupported"),
+    "invalidated": (901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "cudaErrorStreamCaptureInvalidated"),
+    "merge": (902, "CUDA_ERROR_STREAM_CAPTURE_MERGE", "cudaErrorStreamCaptureMerge"),
+    "unmatched": (903, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "cudaErrorStreamCaptureUnmatched"),
+    "unjoined": (904, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED", "cudaErrorStreamCaptureUnjoined"),
+    "isolation": (905, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION", "cudaErrorStreamCaptureIsolation"),
+    "captured_event": (907, "CUDA_ERROR_CAPTURED_EVENT", "cudaErrorCapturedEvent"),
+    "wrong_thread": (908, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD", "cudaErrorStreamCaptureWrongThread"),
+}
+
+
+cdef object _capture_error(str call, str error, str detail):
+    result, name, runtime_name = _ERRORS[error]
+    return CudaError(call, result, name, f"SimDevice: {detail} ({runtime_name})")
+
+
+class _Capture:
+    """One capture sequence: its streams' terminals (origin first, then in joining order) and its
+    nodes in the order they were added."""
+    __slots__ = ("id", "origin", "mode", "thread", "status", "reason", "terminals", "nodes", "ended")
+
+    def __init__(self, capture_id, origin, mode, thread):
+        self.id = capture_id
+        self.origin = origin
+        self.mode = mode
+        self.thread = thread
+        self.status = "active"          # or "invalidated"
+        self.reason = ""                # what invalidated it
+        self.terminals = {origin: []}   # stream -> list of nodes
+        self.nodes = []
+        self.ended = False
+
+
+class _Node:
+    """A node of a capture or graph: "kernel" (launch), "wait" (external event wait) or "graph"
+    (a graph launched into a capturing stream)."""
+    __slots__ = ("parents", "uses", "count", "kind", "events")
+
+    def __init__(self, parents, uses, count, kind, events=()):
+        self.parents = parents          # tuple of node handles
+        self.uses = uses                # tuple of device pointers
+        self.count = count              # units of work when the graph is launched
+        self.kind = kind
+        self.events = events            # external events awaited ("wait", and "graph" holding waits)
+
+
+class _Graph:
+    __slots__ = ("capture_id", "nodes", "work")
+
+    def __init__(self, capture_id, nodes):
+        self.capture_id = capture_id
+        self.nodes = nodes              # node handles, in capture order
+        self.work = 0
 
 
 cdef class SimDevice(Backend):
@@ -94,6 +199,17 @@ cdef class SimDevice(Backend):
     cdef uint64_t _seq                                 # orders event records and waits
     cdef public dict counters
     cdef public object segment_alloc_hook              # callable(nbytes) or None, see the class doc
+    # Stream capture (see the module doc).
+    cdef int _live                                     # captures begun and not ended
+    cdef dict _capture_of                              # stream -> _Capture, for streams of live captures
+    cdef dict _live_captures                           # capture id -> _Capture
+    cdef dict _event_capture                           # captured event -> (_Capture, terminals tuple)
+    cdef dict _nodes                                   # node handle -> _Node (live captures and graphs)
+    cdef dict _graphs                                  # graph handle -> _Graph
+    cdef dict _thread_modes                            # thread ident -> CAPTURE_* (absent: global)
+    cdef uint64_t _next_capture
+    cdef uintptr_t _next_node
+    cdef uintptr_t _next_graph
 
     def __init__(self, size_t total_memory=80 * GiB, *, int device=0,
                  uintptr_t base_address=0x7f0000000000, size_t alignment=2 * MiB, bint top_down=False):
@@ -117,7 +233,19 @@ cdef class SimDevice(Backend):
         self.counters = dict.fromkeys(
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
              "event_query", "event_synchronize", "event_destroy", "stream_synchronize",
-             "device_synchronize", "vm_reserve", "vm_release", "vm_map", "vm_unmap"), 0)
+             "device_synchronize", "vm_reserve", "vm_release", "vm_map", "vm_unmap",
+             "capture_begin", "capture_end", "capture_info", "node_dependencies", "graph_launch",
+             "graph_destroy", "memory_calls_during_capture"), 0)
+        self._live = 0
+        self._capture_of = {}
+        self._live_captures = {}
+        self._event_capture = {}
+        self._nodes = {}
+        self._graphs = {}
+        self._thread_modes = {}
+        self._next_capture = 1
+        self._next_node = 1
+        self._next_graph = 1
 
     def __repr__(self):
         return (f"SimDevice(total_memory={self.total_memory}, device={self.device}, "
@@ -194,6 +322,8 @@ cdef class SimDevice(Backend):
 
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
         self.counters["segment_alloc"] += 1
+        if self._live:
+            self.counters["memory_calls_during_capture"] += 1
         if self.segment_alloc_hook is not None:
             self.segment_alloc_hook(nbytes)
         if nbytes > self.total_memory - self.used_memory:
@@ -218,6 +348,8 @@ cdef class SimDevice(Backend):
 
     cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
         self.counters["segment_free"] += 1
+        if self._live:
+            self.counters["memory_calls_during_capture"] += 1
         cdef cppmap[uintptr_t, size_t].iterator it = self._segments.find(ptr)
         if it == self._segments.end() or deref(it).second != nbytes:
             raise RuntimeError(f"SimDevice: free of {ptr:#x} ({nbytes} bytes), which is not a live segment")
@@ -274,6 +406,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
         self.counters["vm_reserve"] += 1
+        if self._live:
+            self.counters["memory_calls_during_capture"] += 1
         if nbytes == 0 or nbytes % GRANULE:
             raise ValueError(f"SimDevice: reservation of {nbytes} bytes is not a multiple of 2 MiB")
         cdef uintptr_t addr
@@ -295,6 +429,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
         self.counters["vm_release"] += 1
+        if self._live:
+            self.counters["memory_calls_during_capture"] += 1
         cdef cppmap[uintptr_t, size_t].iterator it = self._reservations.find(base)
         if it == self._reservations.end() or deref(it).second != nbytes:
             raise RuntimeError(f"SimDevice: release of {base:#x} ({nbytes} bytes), which is not a reservation")
@@ -319,6 +455,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self.counters["vm_map"] += 1
+        if self._live:
+            self.counters["memory_calls_during_capture"] += 1
         self._check_range(addr, nbytes, "map")
         if nbytes > self.total_memory - self.used_memory:
             return BACKEND_OOM
@@ -336,6 +474,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self.counters["vm_unmap"] += 1
+        if self._live:
+            self.counters["memory_calls_during_capture"] += 1
         self._check_range(addr, nbytes, "unmap")
         cdef uintptr_t page = addr
         while page < addr + nbytes:
@@ -362,8 +502,15 @@ cdef class SimDevice(Backend):
         # operator[] default-constructs: every int is a usable stream handle.
         return &self._streams[stream]
 
-    def launch(self, uintptr_t stream=0, uint64_t count=1):
-        """Queue `count` units of work on `stream`; returns the stream's queued total."""
+    def launch(self, uintptr_t stream=0, uint64_t count=1, uses=()):
+        """Queue `count` units of work on `stream`; returns the stream's queued total.
+
+        While `stream` captures, queues nothing: adds one kernel node after the stream's terminals
+        (worth `count` units of work when the graph is launched, touching the device pointers in
+        `uses`) and returns the node's handle. Outside capture `uses` is ignored.
+        """
+        if self._live and stream in self._capture_of:
+            return self._capture_launch(stream, count, uses)
         cdef StreamState* s = self._stream(stream)
         s.launched += count
         return s.launched
@@ -443,7 +590,11 @@ cdef class SimDevice(Backend):
         return self._advance(stream, target)
 
     def synchronize(self):
-        """Finish all queued work on every stream (cudaDeviceSynchronize)."""
+        """Finish all queued work on every stream (cudaDeviceSynchronize).
+
+        Raises CudaError while a capture is underway, and invalidates every such capture."""
+        if self._live:
+            self._device_sync_in_capture()
         cdef vector[uintptr_t] streams
         cdef pair[uintptr_t, StreamState] p
         for p in self._streams:
@@ -458,6 +609,8 @@ cdef class SimDevice(Backend):
 
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         self.counters["stream_synchronize"] += 1
+        if self._live:
+            self._stream_sync_in_capture(stream)
         self._finish(stream, self._stream(stream).launched, self._seq + 1)
         return BACKEND_OK
 
@@ -466,7 +619,7 @@ cdef class SimDevice(Backend):
     cdef int event_create(self, uintptr_t* event) except -1:
         self.counters["event_create"] += 1
         event[0] = self._next_event
-        self._events[self._next_event] = EventState(0, 0, False, 0)
+        self._events[self._next_event] = EventState(0, 0, False, 0, False)
         self._next_event += 1
         return BACKEND_OK
 
@@ -479,6 +632,11 @@ cdef class SimDevice(Backend):
     cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
         self.counters["event_record"] += 1
         cdef EventState* e = self._event(event)
+        if self._live and stream in self._capture_of:
+            return self._capture_record(event, e, stream)
+        if e.captured:
+            e.captured = False
+            del self._event_capture[event]
         e.stream = stream
         e.target = self._stream(stream).launched
         e.recorded = True
@@ -489,6 +647,8 @@ cdef class SimDevice(Backend):
     cdef int event_query(self, uintptr_t event) except -1:
         self.counters["event_query"] += 1
         cdef EventState* e = self._event(event)
+        if e.captured or self._live:
+            self._event_use_in_capture(event, e.captured, "cuEventQuery", "query")
         if not e.recorded:
             return 1
         return 1 if self._reached(e.stream, e.target, e.seq) else 0
@@ -496,32 +656,413 @@ cdef class SimDevice(Backend):
     cdef int event_synchronize(self, uintptr_t event) except -1:
         self.counters["event_synchronize"] += 1
         cdef EventState* e = self._event(event)
+        if e.captured or self._live:
+            self._event_use_in_capture(event, e.captured, "cuEventSynchronize", "synchronize")
         if e.recorded:
             self._finish(e.stream, e.target, e.seq)
         return BACKEND_OK
 
     cdef int event_destroy(self, uintptr_t event) except -1:
         self.counters["event_destroy"] += 1
-        self._event(event)
+        if self._event(event).captured:
+            del self._event_capture[event]
         self._events.erase(event)
         return BACKEND_OK
 
-    def record_event(self, uintptr_t stream=0):
-        """Create an event and record it on `stream` now; returns its handle."""
+    def create_event(self):
+        """A new event, not recorded (cudaEventCreate); returns its handle."""
         cdef uintptr_t ev
         self.event_create(&ev)
+        return ev
+
+    def destroy_event(self, uintptr_t event):
+        """Destroy an event (cudaEventDestroy)."""
+        self.event_destroy(event)
+
+    def record_event(self, uintptr_t stream=0, event=None):
+        """Record an event on `stream` now (cudaEventRecord): `event` when given, else a new one;
+        returns its handle."""
+        cdef uintptr_t ev
+        if event is None:
+            self.event_create(&ev)
+        else:
+            ev = event
         self.event_record(ev, stream)
         return ev
+
+    def synchronize_event(self, uintptr_t event):
+        """Wait for an event (cudaEventSynchronize): completes the work it waits for."""
+        self.event_synchronize(event)
+
+    def synchronize_stream(self, uintptr_t stream=0):
+        """Complete the work queued on `stream` and what it waits for (cudaStreamSynchronize)."""
+        self.stream_synchronize(stream)
 
     def event_done(self, uintptr_t event):
         """True when the work queued before the event's record has completed."""
         return self.event_query(event) == 1
 
-    def wait_event(self, uintptr_t stream, uintptr_t event):
-        """Make work launched on `stream` from now on wait for `event` (cudaStreamWaitEvent)."""
+    def wait_event(self, uintptr_t stream, uintptr_t event, bint external=False):
+        """Make work launched on `stream` from now on wait for `event` (cudaStreamWaitEvent).
+
+        In capture: a capture event joins `stream` to its capture or adds its nodes to the
+        stream's terminals; an ordinary event is an isolation error, unless `external`
+        (cudaEventWaitExternal), which adds an event-wait node. Outside capture `external` is
+        ignored."""
         cdef EventState* e = self._event(event)
-        if not e.recorded or e.stream == stream:
+        if e.captured or (self._live and stream in self._capture_of):
+            self._capture_wait(stream, event, e, external)
             return
+        self._push_wait(stream, e)
+
+    cdef int _push_wait(self, uintptr_t stream, EventState* e) except -1:
+        if not e.recorded or e.stream == stream:
+            return 0
         self._seq += 1
         self._barriers[stream].push_back(
             Barrier(self._stream(stream).launched, e.stream, e.target, self._seq, e.seq))
+        return 0
+
+
+    # ---------------------------------------------------------------- stream capture
+
+    cdef unsigned long _me(self):
+        return <unsigned long>PyThread_get_thread_ident()
+
+    cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
+        self.counters["capture_begin"] += 1
+        if mode < CAPTURE_GLOBAL or mode > CAPTURE_RELAXED:
+            raise ValueError(f"SimDevice: capture mode must be CAPTURE_GLOBAL (0), CAPTURE_THREAD_LOCAL "
+                             f"(1) or CAPTURE_RELAXED (2), got {mode}")
+        if stream == 0:
+            raise _capture_error("cuStreamBeginCapture", "unsupported",
+                                 "stream 0 (the legacy default stream) cannot be captured; "
+                                 "capture a stream from create_stream()")
+        cap = self._capture_of.get(stream)
+        if cap is not None:
+            raise _capture_error("cuStreamBeginCapture", "illegal_state",
+                                 f"stream {stream} is already in capture {cap.id} (begun on stream "
+                                 f"{cap.origin}, {cap.status}); capture {cap.id} carries on")
+        cap = _Capture(self._next_capture, stream, mode, self._me())
+        self._next_capture += 1
+        self._capture_of[stream] = cap
+        self._live_captures[cap.id] = cap
+        self._live += 1
+        return BACKEND_OK
+
+    cdef int _end(self, cap, bint keep_nodes) except -1:
+        """Take every stream of `cap` out of capture; its nodes go to a graph or away."""
+        for st in cap.terminals:
+            del self._capture_of[st]
+        del self._live_captures[cap.id]
+        self._live -= 1
+        cap.ended = True
+        if not keep_nodes:
+            for n in cap.nodes:
+                del self._nodes[n]
+        return 0
+
+    cdef int _invalidate(self, cap, str reason) except -1:
+        if cap.status == "active":
+            cap.status = "invalidated"
+            cap.reason = reason
+        return 0
+
+    cdef int _check_active(self, cap, str call, uintptr_t stream) except -1:
+        if cap.status != "active":
+            raise _capture_error(call, "invalidated",
+                                 f"stream {stream} is in capture {cap.id}, which was invalidated "
+                                 f"({cap.reason}); end_capture on stream {cap.origin} ends it")
+        return 0
+
+    cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
+        self.counters["capture_end"] += 1
+        cap = self._capture_of.get(stream) if self._live else None
+        if cap is None:
+            raise _capture_error("cuStreamEndCapture", "illegal_state",
+                                 f"stream {stream} is not capturing: no capture to end")
+        if stream != cap.origin:
+            self._invalidate(cap, f"end_capture on stream {stream}, which joined it")
+            raise _capture_error("cuStreamEndCapture", "unmatched",
+                                 f"stream {stream} joined capture {cap.id}, which began on stream "
+                                 f"{cap.origin}: end it there; capture {cap.id} is invalidated")
+        if cap.mode != CAPTURE_RELAXED and self._me() != cap.thread:
+            self._end(cap, False)
+            raise _capture_error("cuStreamEndCapture", "wrong_thread",
+                                 f"capture {cap.id} on stream {stream} began in "
+                                 f"{_MODE_NAMES[cap.mode]} mode on another thread, which must end "
+                                 f"it; the capture ended, with no graph")
+        if cap.status != "active":
+            self._end(cap, False)
+            raise _capture_error("cuStreamEndCapture", "invalidated",
+                                 f"capture {cap.id} on stream {stream} was invalidated ({cap.reason}); "
+                                 f"it ended, with no graph")
+        origin_terminals = cap.terminals[stream]
+        reached = self._ancestor_set(origin_terminals)
+        reached.update(origin_terminals)
+        unjoined = []
+        for st, terminals in cap.terminals.items():
+            left = [n for n in terminals if n not in reached]
+            if st != stream and left:
+                unjoined.append(f"stream {st} (node{'s' if len(left) > 1 else ''} "
+                                f"{', '.join([str(n) for n in left])})")
+        if unjoined:
+            self._end(cap, False)
+            raise _capture_error("cuStreamEndCapture", "unjoined",
+                                 f"capture {cap.id} began on stream {stream}, and the work of "
+                                 f"{'; '.join(unjoined)} was not joined back into stream {stream} "
+                                 f"(record an event after it and wait on that in stream {stream}); "
+                                 f"the capture ended, with no graph")
+        cdef uintptr_t g = self._next_graph
+        self._next_graph += 1
+        gr = _Graph(cap.id, cap.nodes)
+        for n in cap.nodes:
+            gr.work += self._nodes[n].count
+        self._graphs[g] = gr
+        self._end(cap, True)
+        graph[0] = g
+        return BACKEND_OK
+
+    cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
+                          vector[uintptr_t]* terminals) except -1:
+        self.counters["capture_info"] += 1
+        if not self._live:
+            return 0
+        cap = self._capture_of.get(stream)
+        if cap is None or cap.status != "active":
+            return 0
+        capture_id[0] = cap.id
+        terminals.clear()
+        for n in cap.terminals[stream]:
+            terminals.push_back(n)
+        return 1
+
+    cdef object _node(self, node):
+        nd = self._nodes.get(node)
+        if nd is None:
+            raise ValueError(f"SimDevice: unknown graph node {node} (its capture failed, or its graph "
+                             "was destroyed)")
+        return nd
+
+    cdef object _graph(self, uintptr_t graph):
+        gr = self._graphs.get(graph)
+        if gr is None:
+            raise ValueError(f"SimDevice: unknown graph handle {graph}")
+        return gr
+
+    cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1:
+        self.counters["node_dependencies"] += 1
+        nd = self._node(node)
+        parents.clear()
+        for p in nd.parents:
+            parents.push_back(p)
+        return BACKEND_OK
+
+    cdef object _add_node(self, cap, uintptr_t stream, tuple uses, uint64_t count, str kind,
+                          tuple events):
+        cdef uintptr_t node = self._next_node
+        self._next_node += 1
+        self._nodes[node] = _Node(tuple(cap.terminals[stream]), uses, count, kind, events)
+        cap.terminals[stream] = [node]
+        cap.nodes.append(node)
+        return node
+
+    cdef object _capture_launch(self, uintptr_t stream, uint64_t count, uses):
+        cap = self._capture_of[stream]
+        self._check_active(cap, "cuLaunchKernel", stream)
+        return self._add_node(cap, stream, tuple([int(u) for u in uses]), count, "kernel", ())
+
+    cdef int _capture_record(self, uintptr_t event, EventState* e, uintptr_t stream) except -1:
+        cap = self._capture_of[stream]
+        self._check_active(cap, "cuEventRecord", stream)
+        e.captured = True
+        self._event_capture[event] = (cap, tuple(cap.terminals[stream]))
+        return BACKEND_OK
+
+    cdef int _capture_wait(self, uintptr_t stream, uintptr_t event, EventState* e,
+                           bint external) except -1:
+        cap = self._capture_of.get(stream) if self._live else None
+        if e.captured:
+            ecap, nodes = self._event_capture[event]
+            if ecap.ended:
+                raise _capture_error("cuStreamWaitEvent", "invalid_value",
+                                     f"event {event} was recorded in capture {ecap.id}, which has "
+                                     f"ended; record it again before stream {stream} waits on it")
+            if cap is None:
+                if stream == 0:
+                    self._invalidate(ecap, f"stream 0 waited on event {event}")
+                    raise _capture_error("cuStreamWaitEvent", "unsupported",
+                                         f"stream 0 (the legacy default stream) cannot join capture "
+                                         f"{ecap.id} by waiting on event {event}; capture {ecap.id} "
+                                         "is invalidated")
+                if ecap.status != "active":
+                    raise _capture_error("cuStreamWaitEvent", "invalidated",
+                                         f"event {event} belongs to capture {ecap.id}, which was "
+                                         f"invalidated ({ecap.reason}); stream {stream} cannot join it")
+                self._capture_of[stream] = ecap
+                ecap.terminals[stream] = list(nodes)
+                return 0
+            if cap is not ecap:
+                reason = (f"stream {stream} of capture {cap.id} waited on event {event} of "
+                          f"capture {ecap.id}")
+                self._invalidate(cap, reason)
+                self._invalidate(ecap, reason)
+                raise _capture_error("cuStreamWaitEvent", "merge",
+                                     f"{reason}: a wait cannot merge two captures; both are invalidated")
+            self._check_active(cap, "cuStreamWaitEvent", stream)
+            terminals = cap.terminals[stream]
+            for n in nodes:
+                if n not in terminals:
+                    terminals.append(n)
+            return 0
+        self._check_active(cap, "cuStreamWaitEvent", stream)
+        if external:
+            self._add_node(cap, stream, (), 0, "wait", (event,))
+        elif e.recorded:
+            reason = f"stream {stream} waited on event {event}, which was not recorded in the capture"
+            self._invalidate(cap, reason)
+            raise _capture_error("cuStreamWaitEvent", "isolation",
+                                 f"{reason} (pass external=True for cudaEventWaitExternal); capture "
+                                 f"{cap.id} is invalidated")
+        return 0
+
+    cdef int _event_use_in_capture(self, uintptr_t event, bint captured, str call,
+                                   str verb) except -1:
+        """Raise for a query or synchronize of `event` that CUDA refuses now; only called while
+        a capture is underway or the event is a capture event."""
+        if captured:
+            cap, nodes = self._event_capture[event]
+            if cap.ended:
+                raise _capture_error(call, "invalid_value",
+                                     f"event {event} was recorded in capture {cap.id}, which has "
+                                     f"ended: it stands for no work; record it again before you "
+                                     f"{verb} it")
+            self._invalidate(cap, f"{verb} of event {event}, recorded in the capture")
+            raise _capture_error(call, "captured_event",
+                                 f"cannot {verb} event {event}: it was recorded in capture "
+                                 f"{cap.id} (begun on stream {cap.origin}), whose work does not "
+                                 f"run; capture {cap.id} is invalidated")
+        self._unsafe_call(call, f"{verb} of event {event}")
+        return 0
+
+    cdef int _stream_sync_in_capture(self, uintptr_t stream) except -1:
+        cap = self._capture_of.get(stream)
+        if cap is not None:
+            self._invalidate(cap, f"synchronize of stream {stream}, in the capture")
+            raise _capture_error("cuStreamSynchronize", "unsupported",
+                                 f"cannot synchronize stream {stream}: it is in capture {cap.id} "
+                                 f"(begun on stream {cap.origin}); capture {cap.id} is invalidated")
+        self._unsafe_call("cuStreamSynchronize", f"synchronize of stream {stream}")
+        return 0
+
+    cdef int _device_sync_in_capture(self) except -1:
+        caps = list(self._live_captures.values())
+        for cap in caps:
+            self._invalidate(cap, "device synchronize")
+        raise _capture_error("cuCtxSynchronize", "unsupported",
+                             "cannot synchronize the device while "
+                             + ", ".join([f"capture {c.id} (stream {c.origin})" for c in caps])
+                             + " is underway; invalidated")
+
+    cdef int _unsafe_call(self, str call, str what) except -1:
+        """cudaStreamCaptureMode's rule for a potentially unsafe call by this thread: refused (and
+        the captures that refuse it invalidated) when this thread began a capture that is not
+        relaxed, or, in global mode, another thread began a global capture."""
+        cdef unsigned long me = self._me()
+        cdef int mode = self._thread_modes.get(me, CAPTURE_GLOBAL) if self._thread_modes else CAPTURE_GLOBAL
+        if mode == CAPTURE_RELAXED:
+            return 0
+        blocking = [c for c in self._live_captures.values()
+                    if (c.thread == me and c.mode != CAPTURE_RELAXED)
+                    or (mode == CAPTURE_GLOBAL and c.thread != me and c.mode == CAPTURE_GLOBAL)]
+        if not blocking:
+            return 0
+        for c in blocking:
+            self._invalidate(c, what)
+        raise _capture_error(call, "unsupported",
+                             f"{what} is not permitted while "
+                             + ", ".join([f"capture {c.id} ({_MODE_NAMES[c.mode]} mode, stream "
+                                          f"{c.origin}, {'this' if c.thread == me else 'another'} "
+                                          "thread)" for c in blocking])
+                             + " is underway; invalidated")
+
+    cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1:
+        self.counters["graph_launch"] += 1
+        gr = self._graph(graph)
+        events = []
+        uses = {}
+        for n in gr.nodes:
+            nd = self._nodes[n]
+            events.extend(nd.events)
+            for u in nd.uses:
+                uses[u] = None
+        if self._live and stream in self._capture_of:
+            cap = self._capture_of[stream]
+            self._check_active(cap, "cuGraphLaunch", stream)
+            self._add_node(cap, stream, tuple(uses), gr.work, "graph", tuple(events))
+            return BACKEND_OK
+        cdef unordered_map[uintptr_t, EventState].iterator it
+        for ev in events:
+            it = self._events.find(ev)
+            if it != self._events.end() and not deref(it).second.captured:
+                self._push_wait(stream, &deref(it).second)
+        self._stream(stream).launched += gr.work
+        return BACKEND_OK
+
+    cdef int graph_destroy(self, uintptr_t graph) except -1:
+        self.counters["graph_destroy"] += 1
+        gr = self._graph(graph)
+        for n in gr.nodes:
+            del self._nodes[n]
+        del self._graphs[graph]
+        return BACKEND_OK
+
+    cdef set _ancestor_set(self, nodes):
+        seen = set()
+        stack = []
+        for n in nodes:
+            stack.extend(self._node(n).parents)
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(self._node(n).parents)
+        return seen
+
+    # Python access for tests and tools.
+
+    def capture_status(self, uintptr_t stream):
+        """"none", "active" or "invalidated" (cuStreamGetCaptureInfo's status of `stream`)."""
+        cap = self._capture_of.get(stream) if self._live else None
+        return "none" if cap is None else cap.status
+
+    def exchange_capture_mode(self, mode):
+        """Set the calling thread's capture mode, "global" (every thread's default),
+        "thread_local" or "relaxed" (cudaThreadExchangeStreamCaptureMode); returns the previous
+        one. It decides which potentially unsafe calls this thread may make during a capture."""
+        if mode not in _MODE_NAMES:
+            raise ValueError(f"capture mode must be one of {', '.join(_MODE_NAMES)}, got {mode!r}")
+        cdef unsigned long me = self._me()
+        previous = self._thread_modes.get(me, CAPTURE_GLOBAL)
+        if mode == "global":
+            self._thread_modes.pop(me, None)
+        else:
+            self._thread_modes[me] = _MODE_NAMES.index(mode)
+        return _MODE_NAMES[previous]
+
+    def graph_nodes(self, uintptr_t graph):
+        """The nodes of a graph from end_capture, in capture order: a list of
+        (node, [parent nodes], [device pointers it uses])."""
+        return [(n, list(self._nodes[n].parents), list(self._nodes[n].uses))
+                for n in self._graph(graph).nodes]
+
+    def ancestors(self, nodes):
+        """The set of nodes that any of `nodes` depends on, directly or through other nodes
+        (`nodes` themselves only where one depends on another)."""
+        return self._ancestor_set(list(nodes))
+
+    def is_ancestor(self, node, of_nodes):
+        """True when a node of `of_nodes` depends on `node`, directly or not: `node`'s work is
+        ordered before theirs in every launch of the graph."""
+        self._node(node)
+        return node in self._ancestor_set(list(of_nodes))
