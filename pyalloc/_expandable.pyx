@@ -141,6 +141,10 @@ cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool
     cdef size_t want
     if not candidate.mapped:
         if not map_block(st, backend, candidate, min(candidate.size, size)):
+            if candidate.prev == NULL and candidate.next == NULL:
+                # A segment with nothing mapped (just reserved for this request): give its
+                # address space back, or nothing ever would (empty_cache unmaps mapped blocks).
+                release_reservation(st, backend, candidate)
             return BACKEND_OOM
     # The mapped candidate may merge away; its free run continues with unmapped blocks.
     while candidate.size < size:
@@ -207,17 +211,25 @@ cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1:
     commit_unmap(st, pool, first, last - first, b.stream)
     if b.prev == NULL and b.next == NULL:
         # Nothing of the segment is mapped any more: give the address space back.
-        pool.unmapped.erase(b)
-        backend.vm_release(seg.base, seg.size)
-        for i in range(st.expandable_segments.size()):
-            if st.expandable_segments[i] == seg:
-                st.expandable_segments[i] = st.expandable_segments.back()
-                st.expandable_segments.pop_back()
-                break
-        free_segment_struct(seg)
-        retire_block(st, b)
-        if pool.owner != NULL:
-            pool.owner.device_allocations -= 1
+        release_reservation(st, backend, b)
+    return 0
+
+
+cdef int release_reservation(CoreState* st, Backend backend, Block* b) except -1:
+    """Release the address space of an expandable segment that is one unmapped block `b`."""
+    cdef ExpandableSegment* seg = b.segment
+    cdef BlockPool* pool = b.pool
+    pool.unmapped.erase(b)
+    backend.vm_release(seg.base, seg.size)
+    for i in range(st.expandable_segments.size()):
+        if st.expandable_segments[i] == seg:
+            st.expandable_segments[i] = st.expandable_segments.back()
+            st.expandable_segments.pop_back()
+            break
+    free_segment_struct(seg)
+    retire_block(st, b)
+    if pool.owner != NULL:
+        pool.owner.device_allocations -= 1
     return 0
 
 

@@ -41,8 +41,7 @@ and, for the step it just took, that
 * a released pool with no live blocks holds no memory once the cache is emptied with no scope
   active (and no whole free segment stays cached outside pools in use); after everything is
   freed and every pool released, the device holds nothing, no address space stays reserved and
-  the allocator forgets every pool (these two not after an expandable OOM: the xfail tests at
-  the end).
+  the allocator forgets every pool (also after an expandable OOM: see the tests at the end).
 """
 
 import bisect
@@ -120,7 +119,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.pools = []       # every MemPool made, released ones too
         self.released_pools = set()   # ids of pools given up with release()
         self.scopes = []      # (pool, entered use_mem_pool context manager), outermost first
-        self.vm_leak_possible = False   # an expandable OOM happened (see state())
         self.steps_since_drain = 0
 
     def teardown(self):
@@ -180,9 +178,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                  if self.expected_use_count(pool)}
         for info in infos.values():
             if info is not None:
-                # An OOM may free cached segments (check_no_shrink says whose); and a failed
-                # expandable allocation leaves a new, unmapped reservation counted in
-                # device_allocations (test_expandable_oom_* below, xfail).
+                # An OOM may free cached segments (check_no_shrink says whose).
                 del info["reserved_bytes"], info["device_allocations"]
         stats = self.alloc.memory_stats()
         return (allocated, infos, stats["allocation.all.current"],
@@ -244,7 +240,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         except OutOfMemoryError as err:
             assert err.requested == size
             event("malloc: out of memory" + (" inside a scope" if route else ""))
-            self.vm_leak_possible |= self.expandable
             assert self.state() == state_before, "OutOfMemoryError changed the allocator's state"
             assert self.alloc.memory_stats()["num_ooms"] == ooms_before + 1
             self.check_no_shrink(reserved_before, self.reserved_by_pool(),
@@ -562,11 +557,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.check_released_pools_empty()
         assert self.alloc.memory_reserved() == 0, self.alloc._segments()
         assert self.sim.used_memory == 0
-        if self.vm_leak_possible:
-            event("drain: after an expandable OOM (reservations may stay, xfail below)")
-        else:
-            assert self.sim.reservations() == [], "address space still reserved"
-            assert self.alloc._private_pool_ids() == [], "released, emptied pools not forgotten"
+        assert self.sim.reservations() == [], "address space still reserved"
+        assert self.alloc._private_pool_ids() == [], "released, emptied pools not forgotten"
         self.pools = []
         self.released_pools = set()
         self.steps_since_drain = 0
@@ -677,16 +669,10 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 #
 # An expandable allocation that runs out of memory first reserves a new segment's address space
 # (find_expandable_block, when the stream's segments have no room), then fails to map its pages.
-# The reservation stays: nothing was ever mapped in it, so no unmap releases it (empty_cache
-# walks only mapped free blocks), and in a private pool it stays counted in device_allocations,
-# so the pool, once released and emptied, is never forgotten.
+# The reservation stayed (nothing was mapped in it, so no unmap released it), and in a private
+# pool it stayed counted in device_allocations, so the released, emptied pool was never forgotten.
+# Fixed: try_allocate_expandable_block releases a reservation whose first map fails.
 
-EXPANDABLE_OOM = ("an expandable allocation that runs out of memory leaves the new, never-mapped "
-                  "reservation it made; empty_cache never releases it (and a private pool never "
-                  "goes, its device_allocations stays 1)")
-
-
-@pytest.mark.xfail(strict=True, reason=EXPANDABLE_OOM)
 def test_expandable_oom_leaves_no_reservation_behind():
     sim = SimDevice(96 * MiB)           # one expandable segment reserves 120 MiB of addresses
     a = CachingAllocator(backend=sim, config="expandable_segments:True")
@@ -704,7 +690,6 @@ def test_expandable_oom_leaves_no_reservation_behind():
     assert sim.reservations() == [], "empty_cache left an unmapped reservation"
 
 
-@pytest.mark.xfail(strict=True, reason=EXPANDABLE_OOM)
 def test_expandable_oom_in_a_pool_keeps_the_released_pool_forever():
     sim = SimDevice(96 * MiB)
     a = CachingAllocator(backend=sim, config="expandable_segments:True")
