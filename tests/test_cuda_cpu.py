@@ -753,3 +753,89 @@ def test_cupy_record_stream_of_a_cupy_allocation(fake_cupy):
     sim.complete(2)
     again = fake_cupy.alloc(MiB)
     assert again.ptr == first
+
+
+# ------------------------------------------------------------------------------ captures CuPy began itself
+
+def pool_id_of(ptr, device=0):
+    for seg in pyalloc.get_allocator(device)._segments():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return seg["pool_id"]
+    raise AssertionError(f"{ptr:#x} is in no segment")
+
+
+def test_a_capture_cupy_began_itself_is_routed_into_a_private_pool(fake_cupy):
+    import pyalloc.cupy as pc
+    pc.install()
+    sim = pyalloc.get_allocator(0).backend
+    s = sim.create_stream()
+    sim.begin_capture(s)
+    fake_cupy.stream = s
+    mp = fake_cupy.alloc(4096)
+    assert pool_id_of(mp.ptr) != (0, 0)
+    assert fake_cupy.cuda.get_allocator().detected_pools == [(0, pool_id_of(mp.ptr))]
+    sim.destroy_graph(sim.end_capture(s))
+    del mp
+
+
+def test_the_route_of_a_detected_capture_ends_with_the_capture_and_its_pool_is_kept(fake_cupy):
+    import pyalloc.cupy as pc
+    pc.install()
+    alloc = pyalloc.get_allocator(0)
+    sim = alloc.backend
+    s = sim.create_stream()
+    sim.begin_capture(s)
+    fake_cupy.stream = s
+    inside = fake_cupy.alloc(4096)
+    pool_id = pool_id_of(inside.ptr)
+    sim.destroy_graph(sim.end_capture(s))
+    after = fake_cupy.alloc(4096)                        # on s again, which captures no more
+    assert pool_id_of(after.ptr) == (0, 0)
+    info = alloc._pool_info(pool_id)
+    assert info["routed"] is False and info["use_count"] == 1     # kept: the graph may replay
+    del inside, after
+
+
+def test_detect_capture_error_refuses_an_allocation_in_an_unknown_capture(fake_cupy):
+    import pyalloc.cupy as pc
+    pc.install(detect_capture="error")
+    sim = pyalloc.get_allocator(0).backend
+    s = sim.create_stream()
+    sim.begin_capture(s)
+    fake_cupy.stream = s
+    try:
+        with pytest.raises(RuntimeError, match="pyalloc.cupy.graph"):
+            fake_cupy.alloc(4096)
+        assert pyalloc.memory_allocated(0) == 0
+    finally:
+        sim.destroy_graph(sim.end_capture(s))
+
+
+def test_detect_capture_off_leaves_the_allocation_in_the_default_pool(fake_cupy):
+    import pyalloc.cupy as pc
+    pc.install(detect_capture="off")
+    sim = pyalloc.get_allocator(0).backend
+    s = sim.create_stream()
+    sim.begin_capture(s)
+    fake_cupy.stream = s
+    mp = fake_cupy.alloc(4096)
+    assert pool_id_of(mp.ptr) == (0, 0)
+    assert sim.counters["capture_info"] == 0             # no driver query at all
+    sim.destroy_graph(sim.end_capture(s))
+    del mp
+
+
+def test_detect_capture_asks_nothing_on_the_legacy_stream(fake_cupy):
+    import pyalloc.cupy as pc
+    pc.install()
+    sim = pyalloc.get_allocator(0).backend
+    before = sim.counters["capture_info"]
+    mp = fake_cupy.alloc(4096)                           # fake_cupy.stream is 0
+    assert sim.counters["capture_info"] == before
+    del mp
+
+
+def test_an_unknown_detect_capture_mode_is_refused(fake_cupy):
+    import pyalloc.cupy as pc
+    with pytest.raises(ValueError, match="detect_capture must be one of"):
+        pc.install(detect_capture="sometimes")
