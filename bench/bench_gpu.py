@@ -14,6 +14,10 @@ Cases (all 1 MiB, stream 0, steady state: every allocation is a cache hit):
   torch_pair          torch.cuda.caching_allocator_alloc + caching_allocator_delete
   cupy_empty_pool     cupy.empty(1 MiB, uint8) on CuPy's own pool (the array dropped at once)
   cupy_empty_pyalloc  the same with pyalloc installed as CuPy's allocator (pyalloc.cupy.using)
+  cupy_empty_side_detect / cupy_empty_side_nodetect
+                      cupy.empty on a non-blocking stream with pyalloc, with the default capture
+                      detection (one cuStreamGetCaptureInfo per allocation) and with it off: the
+                      difference is what detecting captures CuPy begins itself costs
 
 Targets from issue 4: pyalloc_pair <= 1/4 of cupy_pool_pair; cupy_empty_pyalloc <= cupy_empty_pool.
 The cases run interleaved (bench/interleave.py) and each ratio is the median of its per-round
@@ -98,9 +102,21 @@ def make_cases():
                 for _ in range(iters):
                     empty(n, u8)
 
+        side = cupy.cuda.Stream(non_blocking=True)
+
+        def side_empty(detect):
+            def loop(iters):
+                empty, u8 = cupy.empty, cupy.uint8
+                with side, pc.using(detect_capture=detect):
+                    for _ in range(iters):
+                        empty(n, u8)
+            return loop
+
         cases.update(cupy_pool_pair=cupy_pool_pair, cupy_hook_pair=cupy_hook_pair,
                      cupy_empty_pool=cupy_empty_pool,
-                     cupy_empty_pyalloc=cupy_empty_pyalloc)
+                     cupy_empty_pyalloc=cupy_empty_pyalloc,
+                     cupy_empty_side_detect=side_empty("route"),
+                     cupy_empty_side_nodetect=side_empty("off"))
 
     try:
         import torch
@@ -135,6 +151,9 @@ def run(iters=2000, rounds=61):
     if "cupy_empty_pool" in samples:
         ratios["cupy_empty_pyalloc / cupy_empty_pool (target <= 1.0)"] = ratio(
             samples, "cupy_empty_pyalloc", "cupy_empty_pool")
+    if "cupy_empty_side_detect" in samples:
+        ratios["cupy_empty_side_detect / cupy_empty_side_nodetect"] = ratio(
+            samples, "cupy_empty_side_detect", "cupy_empty_side_nodetect")
     if "torch_pair" in samples:
         ratios["pyalloc_pair / torch_pair"] = ratio(samples, "pyalloc_pair", "torch_pair")
     ratios["pyalloc_pair / floor"] = ratio(samples, "pyalloc_pair", "floor")

@@ -1,0 +1,31 @@
+#!/bin/bash
+# Run test files of CuPy's own suite with pyalloc installed as CuPy's allocator (and, with
+# --baseline, also without it), on the GPU machine. CuPy's tests are not part of this repository:
+# pass the path of a copy (e.g. tests/cupy_tests/cuda_tests/test_graph.py of CuPy's sources).
+# Usage: bash tools/run-cupy-tests.sh [--baseline] FILE_OR_DIR... [-- PYTEST_ARGS...]
+# PYTHONPATH must reach the built pyalloc (tools/gpu-check.sh's /tmp/inst:/tmp/site).
+set -uo pipefail
+baseline=0
+paths=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --baseline) baseline=1 ;;
+        --) shift; break ;;
+        *) paths+=("$(cd "$(dirname "$1")" && pwd)/$(basename "$1")") ;;
+    esac
+    shift
+done
+run() {   # $1: "pyalloc" or "cupy-pool"
+    local T
+    T=$(mktemp -d)
+    for p in "${paths[@]}"; do cp -r "$p" "$T/"; done
+    if [ "$1" = pyalloc ]; then
+        # Installed before any test module is imported: every CuPy allocation goes through pyalloc.
+        printf 'import pyalloc.cupy\npyalloc.cupy.install()\n' > "$T/conftest.py"
+    fi
+    echo "== CuPy tests on $1: ${paths[*]}"
+    (cd "$T" && python3 -m pytest -q -p no:cacheprovider -rfE "$@" . 2>&1 | tail -25)
+    rm -rf "$T"
+}
+[ "$baseline" = 1 ] && run cupy-pool "$@"
+run pyalloc "$@"
