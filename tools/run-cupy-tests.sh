@@ -15,15 +15,16 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-run() {   # $1: "pyalloc" or "cupy-pool"
-    local T
+run() {   # $1: "pyalloc" or "cupy-pool"; the rest: pytest arguments
+    local label=$1 T
+    shift
     T=$(mktemp -d)
     for p in "${paths[@]}"; do cp -r "$p" "$T/"; done
-    if [ "$1" = pyalloc ]; then
+    if [ "$label" = pyalloc ]; then
         # Installed before any test module is imported: every CuPy allocation goes through pyalloc.
         printf 'import pyalloc.cupy\npyalloc.cupy.install()\n' > "$T/conftest.py"
     fi
-    echo "== CuPy tests on $1: ${paths[*]}"
+    echo "== CuPy tests on $label: ${paths[*]}"
     (cd "$T" && python3 -m pytest -q -p no:cacheprovider -rfE "$@" . 2>&1 | tail -25)
     rm -rf "$T"
 }
