@@ -203,8 +203,10 @@ def url(path):
 # -- the command line -------------------------------------------------------------------------------
 
 def test_view_missing_file_is_one_line_error_without_traceback(tmp_path):
+    # From a folder outside the checkout, as a user runs it (the source tree would shadow the
+    # installed package there).
     proc = subprocess.run([sys.executable, "-m", "pyalloc", "view", str(tmp_path / "missing.pickle")],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
