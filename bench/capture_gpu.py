@@ -11,6 +11,9 @@ device running the same programs.
                                                  check the runners' logic and the subprocesses
     --parts sim,cupy,torch                       which runners (default all three)
 
+On the GPU machine, with pyalloc built by `GPU_CHECK_BUILD_ONLY=1 bash tools/gpu-check.sh`:
+    PYTHONPATH=/tmp/inst:/tmp/site python3 bench/capture_gpu.py --json $OUT/capture_gpu.json
+
 Runners (each guarded: a failure prints one line and the others still run):
   sim    pyalloc on a SimDevice (bench/bench_capture.py's runner): peak reserved per setting.
   cupy   pyalloc.cupy.install(); `with pyalloc.cupy.graph(stream=s0) as g:` with CuPy streams
