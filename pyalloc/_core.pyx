@@ -887,10 +887,11 @@ cdef inline int allocator_malloc(DeviceCachingAllocator a, size_t orig_size, uin
     if a.captures_underway.empty():
         if a.outstanding_events or not a.deferred_blocks.empty():
             process_events(a)
-    elif a.capture_routes and a.st.settings.graph_reuse and not a.deferred_blocks.empty():
-        free_safe_blocks_in_capture(a, stream)
     cdef size_t size = round_size(&a.st.settings, orig_size)
     cdef BlockPool* pool = get_pool(a, size, stream)
+    if (not a.captures_underway.empty() and a.capture_routes and a.st.settings.graph_reuse
+            and not a.deferred_blocks.empty()):
+        free_safe_blocks_in_capture(a, stream, pool, size)
     cdef Block* b = get_free_block(&a.st.settings, pool, stream, size)
     if b == NULL:
         return malloc_slow(a, pool, orig_size, size, stream, context_id, out)
@@ -1121,11 +1122,11 @@ cdef int mark_last_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) exc
 
 
 cdef inline bint reusable_on(DeviceCachingAllocator a, Block* b, uintptr_t stream,
-                             PrivatePool* pool) noexcept:
+                             PrivatePool* pool, bint other_streams) noexcept:
     """Whether deferred block b is a candidate for reuse by an allocation on `stream` routed to
     `pool`: a block of that pool with free markers, on `stream` itself (PyTorch's per-stream rule)
-    or, with graph_capture_cross_stream_reuse, a whole non-expandable segment of another stream
-    (it can change streams: no other block shares its segment)."""
+    or, with `other_streams`, a whole non-expandable segment of another stream (it can change
+    streams: no other block shares its segment)."""
     if b.pool.owner != pool or pool == NULL:
         return False
     it = a.capture_uses.find(b)
@@ -1133,19 +1134,22 @@ cdef inline bint reusable_on(DeviceCachingAllocator a, Block* b, uintptr_t strea
         return False
     if b.stream == stream:
         return True
-    return (a.st.settings.graph_cross_stream_reuse and b.prev == NULL and b.next == NULL
-            and not b.expandable)
+    return other_streams and b.prev == NULL and b.next == NULL and not b.expandable
 
 
-cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream) except -1:
-    """Free the deferred blocks whose markers all precede `stream`'s terminals (#162186), so that
-    this allocation can reuse them."""
+cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream, BlockPool* pool,
+                                     size_t size) except -1:
+    """Before an allocation of `size` rounded bytes on `stream` from `pool` during a capture:
+    free the deferred blocks of `stream` whose markers all precede its terminals (#162186); with
+    graph_capture_cross_stream_reuse, when `pool` still has no block that fits, also move the
+    smallest fitting whole segment of another stream whose markers precede them to `stream`."""
     cdef Block* b
     cdef size_t i
+    cdef bint cross = a.st.settings.graph_cross_stream_reuse
     cdef bint candidates = False
-    cdef PrivatePool* pool = routed_pool(a, stream)
+    cdef PrivatePool* private = pool.owner
     for i in range(a.deferred_blocks.size()):
-        if reusable_on(a, a.deferred_blocks[i], stream, pool):
+        if reusable_on(a, a.deferred_blocks[i], stream, private, cross):
             candidates = True
             break
     if not candidates:
@@ -1159,15 +1163,36 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream)
     i = 0
     while i < a.deferred_blocks.size():
         b = a.deferred_blocks[i]
-        if reusable_on(a, b, stream, pool) and all_visited(visited, a.capture_uses[b].markers):
+        if (b.stream == stream and reusable_on(a, b, stream, private, False)
+                and all_visited(visited, a.capture_uses[b].markers)):
             # The graph orders every later use on `stream` after the block's last uses: no event.
             a.deferred_blocks.erase(a.deferred_blocks.begin() + i)
             b.stream_uses.clear()
-            if b.stream != stream:
-                b.stream = stream       # a whole segment moves to the stream that may use it
             free_completed(a, b)
         else:
             i += 1
+    if not cross or get_free_block(&a.st.settings, pool, stream, size) != NULL:
+        return 0
+    # Nothing of `stream`'s own fits: one whole segment of another stream, the smallest that the
+    # best-fit rules would give this request, moves here.
+    cdef Block* best = NULL
+    cdef size_t best_index = 0
+    cdef size_t max_split = a.st.settings.max_split_size
+    for i in range(a.deferred_blocks.size()):
+        b = a.deferred_blocks[i]
+        if (b.stream != stream and b.pool == pool and b.size >= size
+                and not (size < max_split and b.size >= max_split)
+                and not (size >= max_split and b.size - size >= a.st.settings.max_non_split_rounding_size)
+                and (best == NULL or b.size < best.size)
+                and reusable_on(a, b, stream, private, True)
+                and all_visited(visited, a.capture_uses[b].markers)):
+            best = b
+            best_index = i
+    if best != NULL:
+        a.deferred_blocks.erase(a.deferred_blocks.begin() + best_index)
+        best.stream_uses.clear()
+        best.stream = stream            # a whole segment moves to the stream that may use it
+        free_completed(a, best)
     return 0
 
 

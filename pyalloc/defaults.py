@@ -253,9 +253,12 @@ def _containing_block(ptr):
     return None, None
 
 
-def record_stream(obj, stream):
+def record_stream(obj, stream, last_use=False):
     """Declare that the memory of `obj` is also used on `stream`, so it is not reused before the
     work queued on `stream` up to its free has completed.
+
+    last_use=True during a graph capture marks the work captured on `stream` so far as the last
+    use there (see CachingAllocator.record_stream; effective with graph_capture_last_use_marks).
 
     obj: an int device pointer from pyalloc.malloc, a CuPy array or MemoryPointer over pyalloc
     memory, or anything with __cuda_array_interface__ (a pointer inside an allocation, as a view
@@ -270,14 +273,14 @@ def record_stream(obj, stream):
     if ptr == 0:
         return
     try:
-        return _owner_call(ptr, "record_stream", stream)
+        return _owner_call(ptr, "record_stream", stream, last_use)
     except ValueError as exc:
         if "already freed" in str(exc):
             raise
         alloc, base = _containing_block(ptr)
         if alloc is None:
             raise
-    alloc.record_stream(base, stream)
+    alloc.record_stream(base, stream, last_use)
 
 
 # ------------------------------------------------------------------------------ statistics

@@ -561,3 +561,23 @@ def test_no_block_is_handed_out_again_before_every_node_that_used_it_precedes_th
         for s in streams[1:]:
             join(sim, streams[0], s)
     alloc._check_invariants()
+
+
+def test_cross_stream_reuse_moves_only_one_segment_and_only_when_the_stream_has_none():
+    sim, alloc, s0, s1 = capture_two_streams(REUSE + ",graph_capture_cross_stream_reuse:True")
+    with alloc.graph(s0):
+        ptrs = [alloc.malloc(12 * MiB, s0) for _ in range(3)]
+        join(sim, s1, s0)
+        for p in ptrs:
+            alloc.record_stream(p, s1)
+        sim.launch(s1, uses=tuple(ptrs))
+        for p in ptrs:
+            alloc.free(p)
+        join(sim, s0, s1)
+        join(sim, s1, s0)
+        moved = alloc.malloc(12 * MiB, s1)          # takes one of them
+        again = [alloc.malloc(12 * MiB, s0) for _ in range(2)]
+        join(sim, s0, s1)
+    assert moved in ptrs and sorted(again + [moved]) == sorted(ptrs)   # s0 reused the other two
+    assert alloc.max_memory_reserved() == 3 * 12 * MiB
+    alloc._check_invariants()
