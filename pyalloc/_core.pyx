@@ -504,6 +504,10 @@ cdef class DeviceCachingAllocator:
                     self.reuse_contexts.erase(self.captures_underway[i].value)
                     self.capture_routes -= 1
                 self.captures_underway.erase(self.captures_underway.begin() + i)
+                if self.captures_underway.empty() and not self.deferred_blocks.empty():
+                    # No route is left: deferred blocks get their events now (PyTorch does this
+                    # at the next malloc), so the cache-hit path checks one counter, not two.
+                    flush_deferred_blocks(self)
             else:
                 raise RuntimeError(
                     f"endAllocatePool: not currently recording to mempool_id {tuple(pool_id)}")
@@ -884,14 +888,17 @@ cdef inline int allocator_malloc(DeviceCachingAllocator a, size_t orig_size, uin
 
     Returns 0 with *out set, or BACKEND_OOM with the oom_* figures set.
     """
-    if a.captures_underway.empty():
-        if a.outstanding_events or not a.deferred_blocks.empty():
-            process_events(a)
     cdef size_t size = round_size(&a.st.settings, orig_size)
-    cdef BlockPool* pool = get_pool(a, size, stream)
-    if (not a.captures_underway.empty() and a.capture_routes and a.st.settings.graph_reuse
-            and not a.deferred_blocks.empty()):
-        free_safe_blocks_in_capture(a, stream, pool, size)
+    cdef BlockPool* pool
+    if a.captures_underway.empty():
+        # (Blocks deferred while a route was active got their events when the last route ended.)
+        if a.outstanding_events:
+            process_events(a)
+        pool = a.small_blocks if is_small_request(size) else a.large_blocks
+    else:
+        pool = get_pool(a, size, stream)
+        if a.capture_routes and a.st.settings.graph_reuse and not a.deferred_blocks.empty():
+            free_safe_blocks_in_capture(a, stream, pool, size)
     cdef Block* b = get_free_block(&a.st.settings, pool, stream, size)
     if b == NULL:
         return malloc_slow(a, pool, orig_size, size, stream, context_id, out)
