@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
+from pool_helpers import make, pool_of
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -17,16 +18,6 @@ GiB = 1 << 30
 REUSE = "graph_capture_record_stream_reuse:True"
 
 
-def make(config="", total_memory=80 * GiB):
-    sim = SimDevice(total_memory)
-    return sim, CachingAllocator(backend=sim, config=config)
-
-
-def pool_of(alloc, ptr):
-    for seg in alloc._segments():
-        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
-            return seg["pool_id"]
-    raise AssertionError(f"{ptr:#x} is in no segment")
 
 
 def join(sim, into, frm):

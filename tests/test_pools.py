@@ -12,22 +12,13 @@ import pytest
 import pyalloc
 from pyalloc import CachingAllocator, MemPool, OutOfMemoryError, SimDevice
 from pyalloc._core import current_thread_key
+from pool_helpers import make, pool_of
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
 
-def make(config="", total_memory=80 * GiB):
-    sim = SimDevice(total_memory)
-    return sim, CachingAllocator(backend=sim, config=config)
-
-
-def pool_of(alloc, ptr):
-    for seg in alloc._segments():
-        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
-            return seg["pool_id"]
-    raise AssertionError(f"{ptr:#x} is in no segment")
 
 
 # ------------------------------------------------------------------------------- ids and counts

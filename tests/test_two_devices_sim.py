@@ -2,6 +2,7 @@
 two-GPU checks; the GPU half needs a host with two GPUs, tests/test_*_gpu.py marks those)."""
 import pyalloc
 from pyalloc import CachingAllocator, SimDevice
+from pool_helpers import pool_of
 
 KiB = 1 << 10
 
@@ -11,12 +12,6 @@ def two_allocators():
     a1 = CachingAllocator(1, backend=SimDevice(device=1, base_address=0x7F0000000000 + (1 << 40)))
     return a0, a1
 
-
-def pool_of(alloc, ptr):
-    for seg in alloc._segments():
-        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
-            return seg["pool_id"]
-    raise AssertionError(f"{ptr:#x} is in no segment of device {alloc.device}")
 
 
 def test_a_route_on_one_device_leaves_the_other_devices_allocations_alone():
