@@ -184,6 +184,92 @@ cdef inline tuple pool_id_tuple(BlockPool* pool):
 
 # ----------------------------------------------------------------------------- the allocator
 
+cdef int never_initialized() except -1:
+    raise RuntimeError(
+        "this allocator was never initialized: DeviceCachingAllocator.__init__ did not run (a "
+        "subclass's __init__ must call super().__init__(), and an allocator made with __new__ "
+        "alone has no device)")
+
+
+cdef class _NoBackend(Backend):
+    """The backend of an allocator whose __init__ has not run (a subclass that skips
+    super().__init__(), or cls.__new__(cls)): every call raises RuntimeError.
+
+    __cinit__ installs it, so the core never calls a backend method through None (a segfault:
+    Cython does not check for None there) and needs no check of its own on any path."""
+
+    def __init__(self):
+        self.device = -1
+        self.kind = "uninitialized"
+
+    cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
+        return never_initialized()
+
+    cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
+        return never_initialized()
+
+    cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
+        return never_initialized()
+
+    cdef int event_create(self, uintptr_t* event) except -1:
+        return never_initialized()
+
+    cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
+        return never_initialized()
+
+    cdef int event_query(self, uintptr_t event) except -1:
+        return never_initialized()
+
+    cdef int event_synchronize(self, uintptr_t event) except -1:
+        return never_initialized()
+
+    cdef int event_destroy(self, uintptr_t event) except -1:
+        return never_initialized()
+
+    cdef int stream_synchronize(self, uintptr_t stream) except -1:
+        return never_initialized()
+
+    cdef int device_synchronize(self) except -1:
+        return never_initialized()
+
+    cdef int vm_granularity(self, size_t* nbytes) except -1:
+        return never_initialized()
+
+    cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
+        return never_initialized()
+
+    cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
+        return never_initialized()
+
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
+        return never_initialized()
+
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
+        return never_initialized()
+
+    cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
+        return never_initialized()
+
+    cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
+        return never_initialized()
+
+    cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1:
+        return never_initialized()
+
+    cdef int graph_destroy(self, uintptr_t graph) except -1:
+        return never_initialized()
+
+    cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
+                          vector[uintptr_t]* terminals) except -1:
+        return never_initialized()
+
+    cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1:
+        return never_initialized()
+
+
+cdef Backend NO_BACKEND = _NoBackend()
+
+
 cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
     """Take the allocator's lock; wait for it with the GIL released (see the module docstring)."""
     if not a.mutex.try_lock():
@@ -199,6 +285,7 @@ cdef class DeviceCachingAllocator:
     """
 
     def __cinit__(self, *args, **kwargs):
+        self.backend = NO_BACKEND       # until __init__: raises RuntimeError, never crashes
         self.large_blocks = new BlockPool(False, NULL)
         self.small_blocks = new BlockPool(True, NULL)
         self.active_blocks = new ActiveMap()

@@ -34,6 +34,38 @@ def assert_clean_exit(out):
     assert out.returncode == 0 and out.stderr == "", (out.returncode, out.stderr)
 
 
+# ------------------------------------------------------------------ 2. an allocator never initialised
+
+UNINITIALISED = """
+    import pyalloc
+    from pyalloc._core import DeviceCachingAllocator
+
+    class Forgetful(pyalloc.CachingAllocator):
+        def __init__(self):
+            pass                        # no super().__init__()
+
+    makers = {"subclass": Forgetful,
+              "CachingAllocator.__new__": lambda: pyalloc.CachingAllocator.__new__(pyalloc.CachingAllocator),
+              "DeviceCachingAllocator.__new__": lambda: DeviceCachingAllocator.__new__(DeviceCachingAllocator)}
+    a = makers[MAKER]()
+    try:
+        CALL
+    except RuntimeError as err:
+        print("RuntimeError", "__init__" in str(err))
+    else:
+        print("no error")
+"""
+
+
+@pytest.mark.parametrize("maker", ["subclass", "CachingAllocator.__new__", "DeviceCachingAllocator.__new__"])
+@pytest.mark.parametrize("call", ["a.malloc(4096)", "pyalloc.Buffer(a, 4096)", "a.set_memory_fraction(0.5)",
+                                  "a.begin_allocate_to_pool((0, 99), ('capture', 1)); a.malloc(4096)"])
+def test_allocator_whose_init_never_ran_raises_runtime_error_naming_init(maker, call):
+    out = run_python(UNINITIALISED.replace("MAKER", repr(maker)).replace("CALL", call))
+    assert_clean_exit(out)
+    assert out.stdout.split() == ["RuntimeError", "True"]
+
+
 # ------------------------------------------------------------------ 4. sizes
 
 class Index:
