@@ -277,6 +277,10 @@ cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
             a.mutex.lock()
 
 
+# no_gc_clear: the collector must never take the backend away from an allocator whose Buffers
+# may still be freed (a Buffer in a garbage cycle with its allocator is freed after, or while,
+# the collector clears the allocator). clear_allocator below is its tp_clear instead.
+@cython.no_gc_clear
 cdef class DeviceCachingAllocator:
     """PyTorch's caching allocator for one device, over a backend. Sizes are bytes.
 
@@ -922,6 +926,63 @@ cdef class DeviceCachingAllocator:
             self.mutex.unlock()
 
 
+# ------------------------------------------------------------------------------- garbage collection
+#
+# When the collector takes an allocator together with Buffers (a Buffer reachable from the
+# allocator's observers, recorder or attributes, or any cycle still alive at interpreter exit),
+# it clears the objects of the garbage in any order and frees each Buffer once its last
+# reference goes, possibly after the allocator was cleared. So the allocator's tp_clear drops
+# only the references a user can add (the OOM observers and the context recorder, which breaks
+# every cycle through them) and keeps the backend: a Buffer freed later still frees through it.
+# (A subclass's tp_clear clears its __dict__ first and then calls this one.)
+
+cdef extern from *:
+    """
+    static void pyalloc_set_tp_clear(PyObject* type, inquiry clear) {
+        ((PyTypeObject*)type)->tp_clear = clear;
+    }
+    """
+    ctypedef int (*tp_clear_fn "inquiry")(PyObject*) noexcept
+    void pyalloc_set_tp_clear(PyObject* type, tp_clear_fn clear)
+
+
+# Whether the cyclic collector is running (set by a gc.callbacks entry; collections at
+# interpreter exit run no callbacks, and pyalloc_is_finalizing() covers those).
+cdef bint gc_collecting = False
+
+
+def _note_gc_phase(phase, info):
+    global gc_collecting
+    gc_collecting = phase == "start"
+
+
+import gc as _gc
+_gc.callbacks.append(_note_gc_phase)
+
+
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX >= 0x030D0000
+    #define pyalloc_is_finalizing() Py_IsFinalizing()
+    #else
+    #define pyalloc_is_finalizing() _Py_IsFinalizing()
+    #endif
+    """
+    bint pyalloc_is_finalizing() noexcept
+
+
+cdef int clear_allocator(PyObject* o) noexcept:
+    cdef DeviceCachingAllocator a = <DeviceCachingAllocator><object>o
+    a.capture_alloc_stacks = False      # nothing left to record stacks with
+    a.capture_free_stacks = False
+    a.context_recorder = None
+    a.oom_observers = None
+    return 0
+
+
+pyalloc_set_tp_clear(<PyObject*>DeviceCachingAllocator, clear_allocator)
+
+
 # ------------------------------------------------------------------------------- the cache-hit path
 #
 # malloc: allocate_block -> try_allocate -> allocator_malloc -> (get_pool, get_free_block,
@@ -1041,6 +1102,29 @@ cdef inline void free_completed(DeviceCachingAllocator a, Block* b) noexcept:
         a.capture_uses.erase(b)
     a.active_blocks.erase(b.ptr)
     commit_free_completed(&a.st, b, 0)
+
+
+cdef inline int release_pointer_in_dealloc(DeviceCachingAllocator a, uintptr_t p) except -1:
+    """release_pointer for Buffer.__dealloc__: the block is freed whatever happens to the
+    free-call stack.
+
+    The stack is not recorded while the cyclic collector runs or the interpreter finalizes: the
+    recorder is Python code that may itself be garbage the collector has already cleared
+    (calling a cleared function crashes CPython), and the stack would only show where the
+    collection happened to start. A recorder that fails otherwise costs the stack, not the free.
+    """
+    cdef uint32_t context_id = 0
+    if a.capture_free_stacks and not gc_collecting and not pyalloc_is_finalizing():
+        try:
+            context_id = a.context_recorder()
+        except Exception:
+            context_id = 0
+    lock_allocator(a)
+    try:
+        allocator_free(a, lookup_allocated(a, p), context_id)
+    finally:
+        a.mutex.unlock()
+    return 0
 
 
 cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint known) except NULL:
@@ -1542,7 +1626,7 @@ cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
     reserved = a.st.stats[ST_RESERVED_BYTES][0].current
     private = a.oom_private
     allowed = a.st.settings.allowed_memory_maximum
-    for observer in list(a.oom_observers):
+    for observer in list(a.oom_observers or ()):      # None once the collector cleared it
         observer(a.backend.device, a.oom_alloc_size, allowed or a.oom_total, a.oom_free)
     limit = f"{format_bytes(allowed)} allowed; " if allowed else ""
     in_private = (f"with {format_bytes(private)} allocated in private pools (e.g., CUDA Graphs), "
@@ -1843,5 +1927,5 @@ cdef class Buffer:
 
     def __dealloc__(self):
         if self.ptr and self.allocator is not None:
-            release_pointer(self.allocator, self.ptr)
+            release_pointer_in_dealloc(self.allocator, self.ptr)
 

@@ -63,6 +63,9 @@ from libcpp.pair cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
 from cpython.pythread cimport PyThread_get_thread_ident
 
+cimport cython
+from cpython.object cimport PyObject
+
 from pyalloc._backend cimport (Backend, BACKEND_OK, BACKEND_OOM, CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL,
                                CAPTURE_RELAXED)
 from pyalloc.errors import CudaError
@@ -158,6 +161,10 @@ class _Graph:
         self.work = 0
 
 
+# no_gc_clear: an allocator collected together with its Buffers and this backend may still free
+# through it (events for blocks used on other streams), so the collector must not take its tables
+# away; clear_sim_device below drops only the hook, the one reference a user can add to it.
+@cython.no_gc_clear
 cdef class SimDevice(Backend):
     """A simulated device. Sizes are bytes; handles (streams, events, addresses) are ints.
 
@@ -1066,3 +1073,23 @@ cdef class SimDevice(Backend):
         ordered before theirs in every launch of the graph."""
         self._node(node)
         return node in self._ancestor_set(list(of_nodes))
+
+
+# The collector's tp_clear for SimDevice (see the note above the class).
+
+cdef extern from *:
+    """
+    static void pyalloc_set_tp_clear(PyObject* type, inquiry clear) {
+        ((PyTypeObject*)type)->tp_clear = clear;
+    }
+    """
+    ctypedef int (*tp_clear_fn "inquiry")(PyObject*) noexcept
+    void pyalloc_set_tp_clear(PyObject* type, tp_clear_fn clear)
+
+
+cdef int clear_sim_device(PyObject* o) noexcept:
+    (<SimDevice><object>o).segment_alloc_hook = None
+    return 0
+
+
+pyalloc_set_tp_clear(<PyObject*>SimDevice, clear_sim_device)

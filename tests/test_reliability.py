@@ -34,6 +34,123 @@ def assert_clean_exit(out):
     assert out.returncode == 0 and out.stderr == "", (out.returncode, out.stderr)
 
 
+# ------------------------------------------------------------------ 1. collection order and exit
+
+# A Buffer reachable only from its allocator's own fields: the allocator and the Buffer are
+# garbage together, and the collector may clear the allocator before the Buffer is freed. The
+# Buffer was used on a second stream, so its free records an event on the backend.
+CYCLE_WITH_STREAM_USE = """
+    import gc, weakref, pyalloc
+    sim = pyalloc.SimDevice()
+    a = pyalloc.CachingAllocator(backend=sim, config="")
+    b = a.allocate(4096)
+    s = sim.create_stream()
+    a.record_stream(b.ptr, s)
+    sim.launch(s)
+    a.oom_observers.append(lambda *args, keep=b: None)
+    alive = weakref.ref(a)
+    del a, b
+"""
+
+
+def test_buffer_freed_by_a_collection_that_clears_its_allocator_first_frees_through_it():
+    out = run_python(CYCLE_WITH_STREAM_USE + """
+    gc.collect()
+    print(alive() is None, sim.counters["event_record"])
+    """)
+    assert_clean_exit(out)
+    assert out.stdout.split() == ["True", "1"]      # collected, and the free recorded its event
+
+
+def test_allocator_and_backend_collected_together_with_a_buffer_do_not_crash():
+    # Nothing outside the cycle holds the SimDevice either: it may be cleared before both.
+    out = run_python("""
+    import gc, weakref, pyalloc
+    a = pyalloc.CachingAllocator(backend=pyalloc.SimDevice(), config="")
+    b = a.allocate(4096)
+    s = a.backend.create_stream()
+    a.record_stream(b.ptr, s)
+    a.backend.launch(s)
+    a.oom_observers.append(lambda *args, keep=b: None)
+    alive = weakref.ref(a)
+    del a, b
+    gc.collect()
+    print(alive() is None)
+    """)
+    assert_clean_exit(out)
+    assert out.stdout.split() == ["True"]
+
+
+@pytest.mark.parametrize("through", ["oom_observers", "context_recorder"])
+def test_buffer_collected_with_its_allocator_while_history_records_free_stacks_prints_nothing(through):
+    out = run_python(f"""
+    import gc, weakref, pyalloc
+    a = pyalloc.CachingAllocator(config="")
+    a.record_memory_history(context="all")
+    b = a.allocate(4096)
+    record = a.context_recorder
+    if {through!r} == "oom_observers":
+        a.oom_observers.append(lambda *args, keep=b: None)
+    else:
+        a.context_recorder = lambda keep=b: record()
+    alive = weakref.ref(a)
+    del a, b
+    gc.collect()
+    print(alive() is None)
+    """)
+    assert_clean_exit(out)
+    assert out.stdout.split() == ["True"]
+
+
+# A free-stack recorder the collector clears before the Buffer it holds is freed: the function's
+# globals are gone when the Buffer's free would call it (calling it crashed CPython). The
+# recorder is made old (it survived a collection) so that the collector clears it first; its
+# globals dict is tracked only once it holds the list, so it is younger and cleared after.
+CLEARED_RECORDER = """
+    import gc, types, weakref, pyalloc
+    rec = types.FunctionType((lambda: 0 if keep else 0).__code__, {"keep": None})
+    gc.collect()
+    a = pyalloc.CachingAllocator(config="")
+    a.record_memory_history(context="all")
+    a.context_recorder = rec
+    rec.__globals__["keep"] = [a.allocate(4096)]    # the Buffer: reachable only through rec
+    alive = weakref.ref(a)
+"""
+
+
+def test_buffer_freed_by_the_collector_does_not_call_a_recorder_the_collector_cleared():
+    out = run_python(CLEARED_RECORDER + """
+    del a, rec
+    gc.collect()
+    print(alive() is None)
+    """)
+    assert_clean_exit(out)
+    assert out.stdout.split() == ["True"]
+
+
+def test_buffer_freed_at_interpreter_exit_does_not_call_a_recorder_the_collector_cleared():
+    assert_clean_exit(run_python(CLEARED_RECORDER))     # the cycle is garbage once __main__ is cleared
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_allocators_in_cycles_with_their_buffers_at_interpreter_exit_exit_cleanly(history):
+    out = run_python(f"""
+    import pyalloc
+    sim = pyalloc.SimDevice()
+    for _ in range(3):
+        a = pyalloc.CachingAllocator(backend=sim, config="")
+        if {history}:
+            a.record_memory_history(context="all")
+        b = a.allocate(4096)
+        s = sim.create_stream()
+        a.record_stream(b.ptr, s)
+        sim.launch(s)
+        a.oom_observers.append(lambda *args, keep=b: None)
+        kept = a.allocate(1 << 20)      # no cycle: freed when the module's names are cleared
+    """)
+    assert_clean_exit(out)
+
+
 # ------------------------------------------------------------------ 2. an allocator never initialised
 
 UNINITIALISED = """
