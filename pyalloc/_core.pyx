@@ -1882,15 +1882,25 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
 # no_gc_clear: when a Buffer is freed as part of a garbage cycle, the collector must not clear
 # its allocator reference first, or __dealloc__ could not return the memory (it would leak).
 @cython.no_gc_clear
+@cython.auto_pickle(False)  # a pickled or copied Buffer would be a second owner of its block
 @cython.freelist(64)        # one per CuPy allocation: reuse the object memory
 cdef class Buffer:
     """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
 
     Attributes: ptr (device address), size (bytes requested), stream (handle), device (ordinal).
+
+    A Buffer is the one owner of its block: it cannot be copied or pickled (TypeError), and
+    __init__ runs once (RuntimeError on a second call, which leaves the Buffer as it was).
     """
     # (attributes declared in _core.pxd)
 
     def __init__(self, DeviceCachingAllocator allocator not None, nbytes, stream=0):
+        if self.allocator is not None:
+            # Refused rather than freeing the first block: whoever holds its pointer (a CuPy
+            # array, a kernel argument) would then use freed memory without being told.
+            raise RuntimeError(
+                f"Buffer.__init__ runs once: this Buffer already owns {self.size} bytes at "
+                f"{self.ptr:#x}; make a new Buffer instead")
         self.allocator = allocator
         self.size = request_size(nbytes)
         self.stream = stream_handle(stream)
@@ -1920,6 +1930,16 @@ cdef class Buffer:
 
     def __int__(self):
         return self.ptr
+
+    def __reduce__(self):
+        raise TypeError("a Buffer owns its device memory: it cannot be pickled or copied (the copy "
+                        "would free the same block a second time)")
+
+    def __copy__(self):
+        self.__reduce__()
+
+    def __deepcopy__(self, memo):
+        self.__reduce__()
 
     def __repr__(self):
         return (f"Buffer(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, "

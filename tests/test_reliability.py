@@ -183,6 +183,39 @@ def test_allocator_whose_init_never_ran_raises_runtime_error_naming_init(maker, 
     assert out.stdout.split() == ["RuntimeError", "True"]
 
 
+# ------------------------------------------------------------------ 3. one owner per block
+
+@pytest.mark.parametrize("duplicate", [copy.copy, copy.deepcopy])
+def test_copying_a_buffer_is_refused(duplicate):
+    a = CachingAllocator(config="")
+    b = a.allocate(4096)
+    with pytest.raises(TypeError, match="Buffer"):
+        duplicate(b)
+    del b
+    assert a.memory_allocated() == 0
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_pickling_a_buffer_is_refused(protocol):
+    a = CachingAllocator(config="")
+    b = a.allocate(4096)
+    with pytest.raises(TypeError, match="Buffer"):
+        pickle.dumps(b, protocol)
+    with pytest.raises(TypeError, match="Buffer"):
+        b.__reduce_ex__(protocol)       # what copy.copy asks for
+
+
+def test_second_init_of_a_buffer_is_refused_and_keeps_its_block():
+    a = CachingAllocator(config="")
+    b = a.allocate(4096)
+    ptr = b.ptr
+    with pytest.raises(RuntimeError, match="once"):
+        b.__init__(a, 8192)
+    assert (b.ptr, b.size, a.memory_allocated()) == (ptr, 4096, 4096)
+    b.close()
+    assert a.memory_allocated() == 0
+
+
 # ------------------------------------------------------------------ 4. sizes
 
 class Index:
