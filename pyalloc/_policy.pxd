@@ -151,7 +151,9 @@ cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t 
     # request takes one only if the excess stays under max_non_split_rounding_size.
     if size < s.max_split_size and b.size >= s.max_split_size:
         return NULL
-    if size >= s.max_split_size and b.size >= size + s.max_non_split_rounding_size:
+    # (b.size >= size: the excess is compared, so a huge max_non_split_rounding_size saturates
+    # instead of wrapping size + limit around to a small number.)
+    if size >= s.max_split_size and b.size - size >= s.max_non_split_rounding_size:
         return NULL
     return b
 
