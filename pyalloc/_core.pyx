@@ -394,7 +394,9 @@ cdef class DeviceCachingAllocator:
     def set_memory_fraction(self, fraction):
         """Cap this allocator's reserved memory at `fraction` (0.0 .. 1.0) of the device's total.
 
-        1.0 removes the cap. The cap counts only segments of this allocator (not the CUDA context).
+        1.0 removes the cap; 0.0 (or any fraction of less than a byte) allows no device memory:
+        every new segment is out of memory, cached blocks still serve. The cap counts only
+        segments of this allocator (not the CUDA context).
         """
         if type(fraction) is not float and not isinstance(fraction, (int,)) or isinstance(fraction, bool):
             raise TypeError(f"fraction must be a float in [0, 1], got {type(fraction).__name__} {fraction!r}")
@@ -406,7 +408,8 @@ cdef class DeviceCachingAllocator:
         try:
             self.backend.memory_info(&free_bytes, &total_bytes)
             self.st.settings.memory_fraction = f
-            self.st.settings.allowed_memory_maximum = <size_t>(f * <double>total_bytes) if f < 1.0 else 0
+            self.st.settings.allowed_memory_maximum = (<size_t>(f * <double>total_bytes) if f < 1.0
+                                                       else kSizeMax)
         finally:
             self.mutex.unlock()
 
@@ -1426,7 +1429,7 @@ cdef int alloc_block(DeviceCachingAllocator a, BlockPool* pool, uintptr_t stream
     if is_retry:
         a.st.num_alloc_retries += 1
     cdef size_t limit = a.st.settings.allowed_memory_maximum
-    if limit and a.st.total_allocated_memory + alloc_size > limit:
+    if limit != kSizeMax and a.st.total_allocated_memory + alloc_size > limit:
         return BACKEND_OOM
     if a.st.settings.expandable_segments:
         return try_allocate_expandable_block(&a.st, a.backend, pool, stream, size, out)
@@ -1625,10 +1628,11 @@ cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
     allocated = a.st.stats[ST_ALLOCATED_BYTES][0].current
     reserved = a.st.stats[ST_RESERVED_BYTES][0].current
     private = a.oom_private
-    allowed = a.st.settings.allowed_memory_maximum
+    capped = a.st.settings.allowed_memory_maximum != kSizeMax
+    allowed = a.st.settings.allowed_memory_maximum if capped else None
     for observer in list(a.oom_observers or ()):      # None once the collector cleared it
-        observer(a.backend.device, a.oom_alloc_size, allowed or a.oom_total, a.oom_free)
-    limit = f"{format_bytes(allowed)} allowed; " if allowed else ""
+        observer(a.backend.device, a.oom_alloc_size, allowed if capped else a.oom_total, a.oom_free)
+    limit = f"{format_bytes(allowed)} allowed; " if capped else ""
     in_private = (f"with {format_bytes(private)} allocated in private pools (e.g., CUDA Graphs), "
                   if private else "")
     raise OutOfMemoryError(
@@ -1642,7 +1646,7 @@ cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
         "fragmentation; `pyalloc tune` on a memory snapshot ranks every setting.",
         requested=requested, segment_size=a.oom_alloc_size, device=a.backend.device,
         total=a.oom_total, free=a.oom_free, allocated=allocated,
-        reserved_unallocated=reserved - allocated - private, allowed=allowed or None)
+        reserved_unallocated=reserved - allocated - private, allowed=allowed)
 
 
 # ------------------------------------------------------------------------------- events

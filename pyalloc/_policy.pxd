@@ -89,7 +89,7 @@ cdef inline size_t reservation_size(size_t total_bytes, size_t page) noexcept no
 
 cdef inline bint gc_enabled(const Settings* s) noexcept nogil:
     """garbage_collection_threshold acts only under a per-process memory limit."""
-    return s.allowed_memory_maximum != 0 and s.gc_threshold > 0.0
+    return s.allowed_memory_maximum != kSizeMax and s.gc_threshold > 0.0
 
 
 cdef inline bint is_free(Block* b) noexcept nogil:

@@ -261,3 +261,79 @@ def test_size_from_index_is_read_as_operator_index_reads_it(entry):
     SIZE_ENTRY_POINTS[entry](a, Index(3 * MiB))
     SIZE_ENTRY_POINTS[entry](b, 3 * MiB)
     assert a.memory_stats() == b.memory_stats()
+
+
+# ------------------------------------------------------------------ 5. limits at their edges
+
+def test_memory_fraction_zero_allows_no_new_segment():
+    sim = SimDevice(80 * GiB)
+    a = CachingAllocator(backend=sim, config="")
+    a.set_memory_fraction(0.0)
+    with pytest.raises(OutOfMemoryError, match="0 bytes allowed"):
+        a.malloc(4096)
+    assert sim.counters["segment_alloc"] == 0
+
+
+def test_memory_fraction_zero_still_serves_cached_blocks():
+    sim = SimDevice(80 * GiB)
+    a = CachingAllocator(backend=sim, config="")
+    a.free(a.malloc(4096))
+    a.set_memory_fraction(0.0)
+    a.malloc(4096)                      # the cached small segment serves it
+    assert sim.counters["segment_alloc"] == 1
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(4 * MiB)               # a large block needs a new segment
+
+
+def test_memory_fraction_of_less_than_one_byte_allows_nothing():
+    a = CachingAllocator(backend=SimDevice(80 * GiB), config="")
+    a.set_memory_fraction(1e-12)        # 0.086 bytes of 80 GiB
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(4096)
+
+
+def test_memory_fraction_one_removes_a_cap_of_zero():
+    a = CachingAllocator(config="")
+    a.set_memory_fraction(0.0)
+    a.set_memory_fraction(1.0)
+    a.malloc(4096)
+    assert a.memory_reserved() == 2 * MiB
+
+
+def test_per_process_memory_fraction_zero_in_the_config_allows_no_new_segment():
+    a = CachingAllocator(config="per_process_memory_fraction:0.0")
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(4096)
+
+
+def test_huge_max_non_split_rounding_lets_a_smaller_request_reuse_an_oversize_block():
+    a = CachingAllocator(config=f"max_split_size_mb:20,max_non_split_rounding_mb:{2**60}")
+    a.free(a.malloc(100 * MiB))
+    a.malloc(30 * MiB)                  # 70 MiB of excess is far under the rounding limit
+    assert a.memory_reserved() == 100 * MiB
+
+
+@pytest.mark.parametrize("device", [2**31, 2**63, 2**70])
+def test_device_ordinal_out_of_range_raises_value_error_naming_it(device):
+    with pytest.raises(ValueError, match=str(device)):
+        CachingAllocator(device=device)
+
+
+def test_simulated_device_past_the_address_space_raises_value_error_naming_it():
+    with pytest.raises(ValueError, match=str(2**30)):
+        CachingAllocator(device=2**30, backend="sim")
+
+
+@pytest.fixture
+def fresh_listeners(monkeypatch):
+    monkeypatch.setattr(config, "_listeners", [])
+
+
+def test_dropped_allocators_leave_no_dead_entries_in_the_settings_listeners(fresh_listeners):
+    for _ in range(2000):
+        CachingAllocator()              # config=None: follows the process settings
+    gc.collect()
+    assert len(config._listeners) <= 2
+    kept = [CachingAllocator() for _ in range(3)]
+    config.set_allocator_settings("max_split_size_mb:40")
+    assert all(a.settings.max_split_size == 40 * MiB for a in kept)
