@@ -623,28 +623,38 @@ cdef class DeviceCachingAllocator:
         use_on_oom, no_split, routed), or None when the allocator has no such pool."""
         cdef MempoolId pid = pool_id_of(pool_id)
         cdef PrivatePool* pool
-        lock_allocator(self)
-        try:
-            it = self.graph_pools.find(pid)
-            if it == self.graph_pools.end():
-                return None
+        cdef bint found, routed = False
+        cdef int use_count = 0
+        cdef int64_t device_allocations = 0, reserved_bytes = 0
+        cdef bint use_on_oom = False, no_split = False
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
+        it = self.graph_pools.find(pid)
+        found = it != self.graph_pools.end()
+        if found:
             pool = deref(it).second
+            use_count = pool.use_count
+            device_allocations = pool.device_allocations
+            reserved_bytes = pool.reserved_bytes
+            use_on_oom = pool.use_on_oom
+            no_split = pool.no_split
             routed = find_route(self, pid) >= 0
-            return {"use_count": pool.use_count, "device_allocations": pool.device_allocations,
-                    "reserved_bytes": pool.reserved_bytes, "use_on_oom": pool.use_on_oom,
-                    "no_split": pool.no_split, "routed": routed}
-        finally:
-            self.mutex.unlock()
+        self.mutex.unlock()
+        if not found:
+            return None
+        return {"use_count": use_count, "device_allocations": device_allocations,
+                "reserved_bytes": reserved_bytes, "use_on_oom": use_on_oom,
+                "no_split": no_split, "routed": routed}
 
     def _private_pool_ids(self):
         """Ids of every private pool the allocator holds, freeable ones included."""
         cdef pair[MempoolId, PrivatePool*] entry
-        out = []
-        lock_allocator(self)
+        cdef vector[MempoolId] ids
+        cdef MempoolId pid
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
         for entry in self.graph_pools:
-            out.append((entry.first.first, entry.first.second))
+            ids.push_back(entry.first)
         self.mutex.unlock()
-        return out
+        return [(pid.first, pid.second) for pid in ids]
 
     def _capture_stats(self):
         """Counters of the in-capture reuse walk: nodes_expanded (graph nodes whose parents were
@@ -665,14 +675,17 @@ cdef class DeviceCachingAllocator:
     def expandable_segment_sizes(self):
         """One (stream, is_small_pool, mapped_bytes) per live expandable segment, default stream
         included (PyTorch's getExpandableSegmentSizes skips it). Bytes are currently mapped bytes."""
-        out = []
-        lock_allocator(self)
-        try:
-            for seg in self.st.expandable_segments:
-                out.append((seg.stream, seg.pool.is_small, seg.mapped))
-        finally:
-            self.mutex.unlock()
-        return out
+        cdef vector[uintptr_t] streams
+        cdef vector[size_t] mapped
+        cdef vector[int] small
+        cdef size_t i
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
+        for seg in self.st.expandable_segments:
+            streams.push_back(seg.stream)
+            small.push_back(seg.pool.is_small)
+            mapped.push_back(seg.mapped)
+        self.mutex.unlock()
+        return [(streams[i], bool(small[i]), mapped[i]) for i in range(streams.size())]
 
     def warm_up(self, sizes):
         """Map memory ahead of time: `sizes` is a list like expandable_segment_sizes() returns.
@@ -720,33 +733,45 @@ cdef class DeviceCachingAllocator:
         Byte statistics are in bytes; private pools count in the same rows, by size class, as in
         PyTorch. Keys are sorted, as torch.cuda.memory_stats returns them.
         """
-        out = {}
+        # Copied under the lock, read into Python objects after it (see copy_segments).
+        cdef Stat stats[9][3]
+        cdef Stat oversize[2]
+        cdef int64_t counters[5]
+        cdef size_t max_split
         cdef Stat s
         cdef int k, p
         lock_allocator(self)
-        try:
-            for k in range(NUM_STATS):
-                for p in range(3):
-                    s = self.st.stats[k][p]
-                    prefix = f"{STAT_NAMES[k]}.{POOL_NAMES[p]}."
-                    out[prefix + "current"] = s.current
-                    out[prefix + "peak"] = s.peak
-                    out[prefix + "allocated"] = stat_allocated(self.st.stats[k], p)
-                    out[prefix + "freed"] = stat_freed(self.st.stats[k], p)
-            for name in ("oversize_allocations", "oversize_segments"):
-                s = self.st.oversize_allocations if name == "oversize_allocations" else self.st.oversize_segments
-                out[name + ".current"] = s.current
-                out[name + ".peak"] = s.peak
-                out[name + ".allocated"] = s.allocated
-                out[name + ".freed"] = single_freed(&s)
-            out["num_alloc_retries"] = self.st.num_alloc_retries
-            out["num_ooms"] = self.st.num_ooms
-            out["num_sync_all_streams"] = self.st.num_sync_all_streams
-            out["num_device_alloc"] = self.st.num_device_alloc
-            out["num_device_free"] = self.st.num_device_free
-            out["max_split_size"] = -1 if self.st.stat_max_split_size == kSizeMax else self.st.stat_max_split_size
-        finally:
-            self.mutex.unlock()
+        for k in range(NUM_STATS):
+            for p in range(3):
+                stats[k][p] = self.st.stats[k][p]
+        oversize[0] = self.st.oversize_allocations
+        oversize[1] = self.st.oversize_segments
+        counters[0] = self.st.num_alloc_retries
+        counters[1] = self.st.num_ooms
+        counters[2] = self.st.num_sync_all_streams
+        counters[3] = self.st.num_device_alloc
+        counters[4] = self.st.num_device_free
+        max_split = self.st.stat_max_split_size
+        self.mutex.unlock()
+        out = {}
+        for k in range(NUM_STATS):
+            for p in range(3):
+                s = stats[k][p]
+                prefix = f"{STAT_NAMES[k]}.{POOL_NAMES[p]}."
+                out[prefix + "current"] = s.current
+                out[prefix + "peak"] = s.peak
+                out[prefix + "allocated"] = stat_allocated(stats[k], p)
+                out[prefix + "freed"] = stat_freed(stats[k], p)
+        for k, name in enumerate(("oversize_allocations", "oversize_segments")):
+            s = oversize[k]
+            out[name + ".current"] = s.current
+            out[name + ".peak"] = s.peak
+            out[name + ".allocated"] = s.allocated
+            out[name + ".freed"] = single_freed(&s)
+        for k, name in enumerate(("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                  "num_device_alloc", "num_device_free")):
+            out[name] = counters[k]
+        out["max_split_size"] = -1 if max_split == kSizeMax else max_split
         return dict(sorted(out.items()))
 
     def memory_allocated(self):
@@ -800,45 +825,28 @@ cdef class DeviceCachingAllocator:
         dict: address, size, requested_size, allocated, pending_free (freed, waiting for events),
         metadata_id, context_id.
         """
-        cdef vector[Block*] blocks
-        cdef Block* b
-        cdef Block* head
+        cdef vector[BlockCopy] copies
+        cdef BlockCopy c
         segments = []
         lock_allocator(self)
-        try:
-            collect_blocks(self, &blocks)
-            for head in blocks:
-                if head.prev != NULL:
-                    continue
-                # A cudaMalloc segment is one entry; an expandable segment is one entry per
-                # contiguous mapped range (PyTorch's snapshot convention).
-                seg_blocks = None
-                b = head
-                while b != NULL:
-                    if not b.mapped:
-                        seg_blocks = None
-                        b = b.next
-                        continue
-                    if seg_blocks is None:
-                        seg_blocks = []
-                        segment = {
-                            "address": b.ptr, "total_size": 0, "stream": b.stream,
-                            "is_small": b.pool.is_small, "is_expandable": b.expandable,
-                            "pool_id": pool_id_tuple(b.pool),
-                            "context_id": b.segment_context_id, "blocks": seg_blocks,
-                        }
-                        segments.append(segment)
-                    seg_blocks.append({
-                        "address": b.ptr, "size": b.size,
-                        "requested_size": b.requested_size,
-                        "allocated": b.allocated,
-                        "pending_free": (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty()),
-                        "metadata_id": b.metadata_id, "context_id": b.context_id,
-                    })
-                    segment["total_size"] += b.size
-                    b = b.next
-        finally:
-            self.mutex.unlock()
+        copy_segments(self, &copies)
+        self.mutex.unlock()
+        for c in copies:
+            if c.starts_segment:
+                seg_blocks = []
+                segment = {
+                    "address": c.ptr, "total_size": 0, "stream": c.stream,
+                    "is_small": c.is_small, "is_expandable": c.expandable,
+                    "pool_id": (c.pool_id.first, c.pool_id.second),
+                    "context_id": c.segment_context_id, "blocks": seg_blocks,
+                }
+                segments.append(segment)
+            seg_blocks.append({
+                "address": c.ptr, "size": c.size, "requested_size": c.requested_size,
+                "allocated": c.allocated, "pending_free": c.pending_free,
+                "metadata_id": c.metadata_id, "context_id": c.context_id,
+            })
+            segment["total_size"] += c.size
         segments.sort(key=lambda s: s["address"])
         return segments
 
@@ -878,19 +886,21 @@ cdef class DeviceCachingAllocator:
         """Trace entries oldest first as tuples
         (action, addr, size, stream, time_us, metadata_id, context_id), and the number dropped
         because the ring buffer wrapped."""
+        cdef vector[TraceEntry] entries
         cdef TraceEntry e
-        cdef size_t n
-        lock_allocator(self)
-        try:
-            n = self.st.history.entries.size()
-            out = []
-            for i in range(n):
-                e = self.st.history.at(i)
-                out.append((TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_us,
-                            e.metadata_id, e.context_id))
-            dropped = self.st.history.total - n
-        finally:
-            self.mutex.unlock()
+        cdef size_t n, i
+        cdef uint64_t dropped
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
+        n = self.st.history.entries.size()
+        entries.reserve(n)
+        for i in range(n):
+            entries.push_back(self.st.history.at(i))
+        dropped = self.st.history.total - n
+        self.mutex.unlock()
+        out = []
+        for e in entries:
+            out.append((TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_us,
+                        e.metadata_id, e.context_id))
         return out, dropped
 
     def _live_bytes_by_metadata(self, bint requested):
@@ -921,12 +931,18 @@ cdef class DeviceCachingAllocator:
         """Recount every block and compare with the links, pools and statistics.
 
         Raises AssertionError naming the first broken invariant. For tests; O(blocks).
+        The cyclic collector is paused meanwhile: the check builds Python objects under the lock,
+        and a Buffer a collection freed there would change the blocks mid-count.
         """
+        collecting = _gc.isenabled()
+        _gc.disable()
         lock_allocator(self)
         try:
             check_invariants(self)
         finally:
             self.mutex.unlock()
+            if collecting:
+                _gc.enable()
 
 
 # ------------------------------------------------------------------------------- garbage collection
@@ -1756,6 +1772,68 @@ cdef int synchronize_and_free_events(DeviceCachingAllocator a) except -1:
 
 
 # ------------------------------------------------------------------------------- introspection
+#
+# Readers copy what they report into C structs under the lock and build their Python objects
+# after it. Building them under the lock let a collection run there, and a Buffer it freed
+# re-entered free() on the same thread (the lock is recursive) and merged blocks mid-read: the
+# snapshot's segments then did not tile.
+
+cdef struct BlockCopy:
+    uintptr_t ptr
+    size_t size
+    size_t requested_size
+    uintptr_t stream
+    MempoolId pool_id
+    uint32_t metadata_id
+    uint32_t context_id
+    uint32_t segment_context_id
+    bint allocated
+    bint pending_free
+    bint is_small
+    bint expandable
+    bint starts_segment        # the first block of a snapshot segment
+
+
+cdef void copy_segments(DeviceCachingAllocator a, vector[BlockCopy]* out) noexcept:
+    """Every mapped block, segment by segment (lock held). A cudaMalloc segment is one snapshot
+    segment; an expandable segment is one per contiguous mapped range (PyTorch's convention)."""
+    cdef vector[Block*] blocks
+    cdef Block* head
+    cdef Block* b
+    cdef BlockCopy c
+    cdef bint starts
+    collect_blocks(a, &blocks)
+    for head in blocks:
+        if head.prev != NULL:
+            continue
+        starts = True
+        b = head
+        while b != NULL:
+            if not b.mapped:
+                starts = True
+                b = b.next
+                continue
+            c.ptr = b.ptr
+            c.size = b.size
+            c.requested_size = b.requested_size
+            c.stream = b.stream
+            if b.pool.owner == NULL:
+                c.pool_id.first = 0
+                c.pool_id.second = 0
+            else:
+                c.pool_id = b.pool.owner.id
+            c.metadata_id = b.metadata_id
+            c.context_id = b.context_id
+            c.segment_context_id = b.segment_context_id
+            c.allocated = b.allocated
+            c.pending_free = (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty())
+            c.is_small = b.pool.is_small
+            c.expandable = b.expandable
+            c.starts_segment = starts
+            starts = False
+            out.push_back(c)
+            b = b.next
+
 
 cdef void collect_pool(BlockPool* pool, vector[Block*]* out) noexcept:
     cdef BlockSet.iterator it = pool.blocks.begin()

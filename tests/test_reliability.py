@@ -337,3 +337,68 @@ def test_dropped_allocators_leave_no_dead_entries_in_the_settings_listeners(fres
     kept = [CachingAllocator() for _ in range(3)]
     config.set_allocator_settings("max_split_size_mb:40")
     assert all(a.settings.max_split_size == 40 * MiB for a in kept)
+
+
+# ------------------------------------------------------------------ 6. snapshots and the collector
+
+def tiles(segments, sim):
+    """Whether every segment of a._segments() is covered exactly by its blocks, in order."""
+    sizes = dict(sim.segments())
+    for seg in segments:
+        addr = seg["address"]
+        for blk in seg["blocks"]:
+            if blk["address"] != addr:
+                return False
+            addr += blk["size"]
+        if addr - seg["address"] != sizes.get(seg["address"]):
+            return False
+    return True
+
+
+def segments_while_collecting(nth):
+    """a._segments() with a collection at every allocation of tracked objects, where the nth
+    collection of the call frees a Buffer of `a`: the collection's start callback moves the
+    Buffer's last reference into a new cycle, which that collection finds garbage (it is young)
+    and frees. Returns (segments, (segments before, after the free), sim, a, collections
+    during the call)."""
+    sim = SimDevice()
+    a = CachingAllocator(backend=sim, config="")
+    keep = [a.malloc(512) for _ in range(2)]
+    holder = [Buffer(a, 512)]           # between a live block and the free rest, which absorbs it
+    before = a._segments()
+    seen = {"armed": False, "collections": 0}
+
+    def callback(phase, info):
+        if phase == "start" and seen["armed"]:
+            seen["collections"] += 1
+            if seen["collections"] == nth:
+                cycle = [holder.pop()]
+                cycle.append(cycle)
+
+    gc.collect()
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(callback)
+    try:
+        gc.set_threshold(1)
+        seen["armed"] = True
+        segments = a._segments()
+    finally:
+        seen["armed"] = False
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(callback)
+    holder.clear()
+    gc.collect()
+    return segments, (before, a._segments()), sim, a, seen["collections"]
+
+
+def test_segments_read_while_the_collector_frees_a_buffer_tile_and_the_free_happens():
+    """The Buffer is freed at each collection the call makes in turn: every result tiles its
+    segments and is the state either before or after the free, and the block is freed."""
+    calls = segments_while_collecting(0)[4]
+    assert calls >= 3
+    for nth in range(1, calls + 1):
+        segments, states, sim, a, _ = segments_while_collecting(nth)
+        assert tiles(segments, sim), nth
+        assert segments in states, nth
+        assert a.memory_allocated() == 2 * 512
+        a._check_invariants()
