@@ -184,6 +184,92 @@ cdef inline tuple pool_id_tuple(BlockPool* pool):
 
 # ----------------------------------------------------------------------------- the allocator
 
+cdef int never_initialized() except -1:
+    raise RuntimeError(
+        "this allocator was never initialized: DeviceCachingAllocator.__init__ did not run (a "
+        "subclass's __init__ must call super().__init__(), and an allocator made with __new__ "
+        "alone has no device)")
+
+
+cdef class _NoBackend(Backend):
+    """The backend of an allocator whose __init__ has not run (a subclass that skips
+    super().__init__(), or cls.__new__(cls)): every call raises RuntimeError.
+
+    __cinit__ installs it, so the core never calls a backend method through None (a segfault:
+    Cython does not check for None there) and needs no check of its own on any path."""
+
+    def __init__(self):
+        self.device = -1
+        self.kind = "uninitialized"
+
+    cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
+        return never_initialized()
+
+    cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
+        return never_initialized()
+
+    cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
+        return never_initialized()
+
+    cdef int event_create(self, uintptr_t* event) except -1:
+        return never_initialized()
+
+    cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
+        return never_initialized()
+
+    cdef int event_query(self, uintptr_t event) except -1:
+        return never_initialized()
+
+    cdef int event_synchronize(self, uintptr_t event) except -1:
+        return never_initialized()
+
+    cdef int event_destroy(self, uintptr_t event) except -1:
+        return never_initialized()
+
+    cdef int stream_synchronize(self, uintptr_t stream) except -1:
+        return never_initialized()
+
+    cdef int device_synchronize(self) except -1:
+        return never_initialized()
+
+    cdef int vm_granularity(self, size_t* nbytes) except -1:
+        return never_initialized()
+
+    cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
+        return never_initialized()
+
+    cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
+        return never_initialized()
+
+    cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
+        return never_initialized()
+
+    cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
+        return never_initialized()
+
+    cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
+        return never_initialized()
+
+    cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
+        return never_initialized()
+
+    cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1:
+        return never_initialized()
+
+    cdef int graph_destroy(self, uintptr_t graph) except -1:
+        return never_initialized()
+
+    cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
+                          vector[uintptr_t]* terminals) except -1:
+        return never_initialized()
+
+    cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1:
+        return never_initialized()
+
+
+cdef Backend NO_BACKEND = _NoBackend()
+
+
 cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
     """Take the allocator's lock; wait for it with the GIL released (see the module docstring)."""
     if not a.mutex.try_lock():
@@ -191,6 +277,10 @@ cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
             a.mutex.lock()
 
 
+# no_gc_clear: the collector must never take the backend away from an allocator whose Buffers
+# may still be freed (a Buffer in a garbage cycle with its allocator is freed after, or while,
+# the collector clears the allocator). clear_allocator below is its tp_clear instead.
+@cython.no_gc_clear
 cdef class DeviceCachingAllocator:
     """PyTorch's caching allocator for one device, over a backend. Sizes are bytes.
 
@@ -199,6 +289,7 @@ cdef class DeviceCachingAllocator:
     """
 
     def __cinit__(self, *args, **kwargs):
+        self.backend = NO_BACKEND       # until __init__: raises RuntimeError, never crashes
         self.large_blocks = new BlockPool(False, NULL)
         self.small_blocks = new BlockPool(True, NULL)
         self.active_blocks = new ActiveMap()
@@ -303,7 +394,9 @@ cdef class DeviceCachingAllocator:
     def set_memory_fraction(self, fraction):
         """Cap this allocator's reserved memory at `fraction` (0.0 .. 1.0) of the device's total.
 
-        1.0 removes the cap. The cap counts only segments of this allocator (not the CUDA context).
+        1.0 removes the cap; 0.0 (or any fraction of less than a byte) allows no device memory:
+        every new segment is out of memory, cached blocks still serve. The cap counts only
+        segments of this allocator (not the CUDA context).
         """
         if type(fraction) is not float and not isinstance(fraction, (int,)) or isinstance(fraction, bool):
             raise TypeError(f"fraction must be a float in [0, 1], got {type(fraction).__name__} {fraction!r}")
@@ -315,7 +408,8 @@ cdef class DeviceCachingAllocator:
         try:
             self.backend.memory_info(&free_bytes, &total_bytes)
             self.st.settings.memory_fraction = f
-            self.st.settings.allowed_memory_maximum = <size_t>(f * <double>total_bytes) if f < 1.0 else 0
+            self.st.settings.allowed_memory_maximum = (<size_t>(f * <double>total_bytes) if f < 1.0
+                                                       else kSizeMax)
         finally:
             self.mutex.unlock()
 
@@ -533,28 +627,38 @@ cdef class DeviceCachingAllocator:
         use_on_oom, no_split, routed), or None when the allocator has no such pool."""
         cdef MempoolId pid = pool_id_of(pool_id)
         cdef PrivatePool* pool
-        lock_allocator(self)
-        try:
-            it = self.graph_pools.find(pid)
-            if it == self.graph_pools.end():
-                return None
+        cdef bint found, routed = False
+        cdef int use_count = 0
+        cdef int64_t device_allocations = 0, reserved_bytes = 0
+        cdef bint use_on_oom = False, no_split = False
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
+        it = self.graph_pools.find(pid)
+        found = it != self.graph_pools.end()
+        if found:
             pool = deref(it).second
+            use_count = pool.use_count
+            device_allocations = pool.device_allocations
+            reserved_bytes = pool.reserved_bytes
+            use_on_oom = pool.use_on_oom
+            no_split = pool.no_split
             routed = find_route(self, pid) >= 0
-            return {"use_count": pool.use_count, "device_allocations": pool.device_allocations,
-                    "reserved_bytes": pool.reserved_bytes, "use_on_oom": pool.use_on_oom,
-                    "no_split": pool.no_split, "routed": routed}
-        finally:
-            self.mutex.unlock()
+        self.mutex.unlock()
+        if not found:
+            return None
+        return {"use_count": use_count, "device_allocations": device_allocations,
+                "reserved_bytes": reserved_bytes, "use_on_oom": use_on_oom,
+                "no_split": no_split, "routed": routed}
 
     def _private_pool_ids(self):
         """Ids of every private pool the allocator holds, freeable ones included."""
         cdef pair[MempoolId, PrivatePool*] entry
-        out = []
-        lock_allocator(self)
+        cdef vector[MempoolId] ids
+        cdef MempoolId pid
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
         for entry in self.graph_pools:
-            out.append((entry.first.first, entry.first.second))
+            ids.push_back(entry.first)
         self.mutex.unlock()
-        return out
+        return [(pid.first, pid.second) for pid in ids]
 
     def _capture_stats(self):
         """Counters of the in-capture reuse walk: nodes_expanded (graph nodes whose parents were
@@ -575,14 +679,17 @@ cdef class DeviceCachingAllocator:
     def expandable_segment_sizes(self):
         """One (stream, is_small_pool, mapped_bytes) per live expandable segment, default stream
         included (PyTorch's getExpandableSegmentSizes skips it). Bytes are currently mapped bytes."""
-        out = []
-        lock_allocator(self)
-        try:
-            for seg in self.st.expandable_segments:
-                out.append((seg.stream, seg.pool.is_small, seg.mapped))
-        finally:
-            self.mutex.unlock()
-        return out
+        cdef vector[uintptr_t] streams
+        cdef vector[size_t] mapped
+        cdef vector[int] small
+        cdef size_t i
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
+        for seg in self.st.expandable_segments:
+            streams.push_back(seg.stream)
+            small.push_back(seg.pool.is_small)
+            mapped.push_back(seg.mapped)
+        self.mutex.unlock()
+        return [(streams[i], bool(small[i]), mapped[i]) for i in range(streams.size())]
 
     def warm_up(self, sizes):
         """Map memory ahead of time: `sizes` is a list like expandable_segment_sizes() returns.
@@ -630,33 +737,45 @@ cdef class DeviceCachingAllocator:
         Byte statistics are in bytes; private pools count in the same rows, by size class, as in
         PyTorch. Keys are sorted, as torch.cuda.memory_stats returns them.
         """
-        out = {}
+        # Copied under the lock, read into Python objects after it (see copy_segments).
+        cdef Stat stats[9][3]
+        cdef Stat oversize[2]
+        cdef int64_t counters[5]
+        cdef size_t max_split
         cdef Stat s
         cdef int k, p
         lock_allocator(self)
-        try:
-            for k in range(NUM_STATS):
-                for p in range(3):
-                    s = self.st.stats[k][p]
-                    prefix = f"{STAT_NAMES[k]}.{POOL_NAMES[p]}."
-                    out[prefix + "current"] = s.current
-                    out[prefix + "peak"] = s.peak
-                    out[prefix + "allocated"] = stat_allocated(self.st.stats[k], p)
-                    out[prefix + "freed"] = stat_freed(self.st.stats[k], p)
-            for name in ("oversize_allocations", "oversize_segments"):
-                s = self.st.oversize_allocations if name == "oversize_allocations" else self.st.oversize_segments
-                out[name + ".current"] = s.current
-                out[name + ".peak"] = s.peak
-                out[name + ".allocated"] = s.allocated
-                out[name + ".freed"] = single_freed(&s)
-            out["num_alloc_retries"] = self.st.num_alloc_retries
-            out["num_ooms"] = self.st.num_ooms
-            out["num_sync_all_streams"] = self.st.num_sync_all_streams
-            out["num_device_alloc"] = self.st.num_device_alloc
-            out["num_device_free"] = self.st.num_device_free
-            out["max_split_size"] = -1 if self.st.stat_max_split_size == kSizeMax else self.st.stat_max_split_size
-        finally:
-            self.mutex.unlock()
+        for k in range(NUM_STATS):
+            for p in range(3):
+                stats[k][p] = self.st.stats[k][p]
+        oversize[0] = self.st.oversize_allocations
+        oversize[1] = self.st.oversize_segments
+        counters[0] = self.st.num_alloc_retries
+        counters[1] = self.st.num_ooms
+        counters[2] = self.st.num_sync_all_streams
+        counters[3] = self.st.num_device_alloc
+        counters[4] = self.st.num_device_free
+        max_split = self.st.stat_max_split_size
+        self.mutex.unlock()
+        out = {}
+        for k in range(NUM_STATS):
+            for p in range(3):
+                s = stats[k][p]
+                prefix = f"{STAT_NAMES[k]}.{POOL_NAMES[p]}."
+                out[prefix + "current"] = s.current
+                out[prefix + "peak"] = s.peak
+                out[prefix + "allocated"] = stat_allocated(stats[k], p)
+                out[prefix + "freed"] = stat_freed(stats[k], p)
+        for k, name in enumerate(("oversize_allocations", "oversize_segments")):
+            s = oversize[k]
+            out[name + ".current"] = s.current
+            out[name + ".peak"] = s.peak
+            out[name + ".allocated"] = s.allocated
+            out[name + ".freed"] = single_freed(&s)
+        for k, name in enumerate(("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                  "num_device_alloc", "num_device_free")):
+            out[name] = counters[k]
+        out["max_split_size"] = -1 if max_split == kSizeMax else max_split
         return dict(sorted(out.items()))
 
     def memory_allocated(self):
@@ -710,45 +829,28 @@ cdef class DeviceCachingAllocator:
         dict: address, size, requested_size, allocated, pending_free (freed, waiting for events),
         metadata_id, context_id.
         """
-        cdef vector[Block*] blocks
-        cdef Block* b
-        cdef Block* head
+        cdef vector[BlockCopy] copies
+        cdef BlockCopy c
         segments = []
         lock_allocator(self)
-        try:
-            collect_blocks(self, &blocks)
-            for head in blocks:
-                if head.prev != NULL:
-                    continue
-                # A cudaMalloc segment is one entry; an expandable segment is one entry per
-                # contiguous mapped range (PyTorch's snapshot convention).
-                seg_blocks = None
-                b = head
-                while b != NULL:
-                    if not b.mapped:
-                        seg_blocks = None
-                        b = b.next
-                        continue
-                    if seg_blocks is None:
-                        seg_blocks = []
-                        segment = {
-                            "address": b.ptr, "total_size": 0, "stream": b.stream,
-                            "is_small": b.pool.is_small, "is_expandable": b.expandable,
-                            "pool_id": pool_id_tuple(b.pool),
-                            "context_id": b.segment_context_id, "blocks": seg_blocks,
-                        }
-                        segments.append(segment)
-                    seg_blocks.append({
-                        "address": b.ptr, "size": b.size,
-                        "requested_size": b.requested_size,
-                        "allocated": b.allocated,
-                        "pending_free": (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty()),
-                        "metadata_id": b.metadata_id, "context_id": b.context_id,
-                    })
-                    segment["total_size"] += b.size
-                    b = b.next
-        finally:
-            self.mutex.unlock()
+        copy_segments(self, &copies)
+        self.mutex.unlock()
+        for c in copies:
+            if c.starts_segment:
+                seg_blocks = []
+                segment = {
+                    "address": c.ptr, "total_size": 0, "stream": c.stream,
+                    "is_small": c.is_small, "is_expandable": c.expandable,
+                    "pool_id": (c.pool_id.first, c.pool_id.second),
+                    "context_id": c.segment_context_id, "blocks": seg_blocks,
+                }
+                segments.append(segment)
+            seg_blocks.append({
+                "address": c.ptr, "size": c.size, "requested_size": c.requested_size,
+                "allocated": c.allocated, "pending_free": c.pending_free,
+                "metadata_id": c.metadata_id, "context_id": c.context_id,
+            })
+            segment["total_size"] += c.size
         segments.sort(key=lambda s: s["address"])
         return segments
 
@@ -788,19 +890,21 @@ cdef class DeviceCachingAllocator:
         """Trace entries oldest first as tuples
         (action, addr, size, stream, time_us, metadata_id, context_id), and the number dropped
         because the ring buffer wrapped."""
+        cdef vector[TraceEntry] entries
         cdef TraceEntry e
-        cdef size_t n
-        lock_allocator(self)
-        try:
-            n = self.st.history.entries.size()
-            out = []
-            for i in range(n):
-                e = self.st.history.at(i)
-                out.append((TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_us,
-                            e.metadata_id, e.context_id))
-            dropped = self.st.history.total - n
-        finally:
-            self.mutex.unlock()
+        cdef size_t n, i
+        cdef uint64_t dropped
+        lock_allocator(self)        # copied under the lock, read after it (see copy_segments)
+        n = self.st.history.entries.size()
+        entries.reserve(n)
+        for i in range(n):
+            entries.push_back(self.st.history.at(i))
+        dropped = self.st.history.total - n
+        self.mutex.unlock()
+        out = []
+        for e in entries:
+            out.append((TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_us,
+                        e.metadata_id, e.context_id))
         return out, dropped
 
     def _live_bytes_by_metadata(self, bint requested):
@@ -831,12 +935,75 @@ cdef class DeviceCachingAllocator:
         """Recount every block and compare with the links, pools and statistics.
 
         Raises AssertionError naming the first broken invariant. For tests; O(blocks).
+        The cyclic collector is paused meanwhile: the check builds Python objects under the lock,
+        and a Buffer a collection freed there would change the blocks mid-count.
         """
+        collecting = _gc.isenabled()
+        _gc.disable()
         lock_allocator(self)
         try:
             check_invariants(self)
         finally:
             self.mutex.unlock()
+            if collecting:
+                _gc.enable()
+
+
+# ------------------------------------------------------------------------------- garbage collection
+#
+# When the collector takes an allocator together with Buffers (a Buffer reachable from the
+# allocator's observers, recorder or attributes, or any cycle still alive at interpreter exit),
+# it clears the objects of the garbage in any order and frees each Buffer once its last
+# reference goes, possibly after the allocator was cleared. So the allocator's tp_clear drops
+# only the references a user can add (the OOM observers and the context recorder, which breaks
+# every cycle through them) and keeps the backend: a Buffer freed later still frees through it.
+# (A subclass's tp_clear clears its __dict__ first and then calls this one.)
+
+cdef extern from *:
+    """
+    static void pyalloc_set_tp_clear(PyObject* type, inquiry clear) {
+        ((PyTypeObject*)type)->tp_clear = clear;
+    }
+    """
+    ctypedef int (*tp_clear_fn "inquiry")(PyObject*) noexcept
+    void pyalloc_set_tp_clear(PyObject* type, tp_clear_fn clear)
+
+
+# Whether the cyclic collector is running (set by a gc.callbacks entry; collections at
+# interpreter exit run no callbacks, and pyalloc_is_finalizing() covers those).
+cdef bint gc_collecting = False
+
+
+def _note_gc_phase(phase, info):
+    global gc_collecting
+    gc_collecting = phase == "start"
+
+
+import gc as _gc
+_gc.callbacks.append(_note_gc_phase)
+
+
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX >= 0x030D0000
+    #define pyalloc_is_finalizing() Py_IsFinalizing()
+    #else
+    #define pyalloc_is_finalizing() _Py_IsFinalizing()
+    #endif
+    """
+    bint pyalloc_is_finalizing() noexcept
+
+
+cdef int clear_allocator(PyObject* o) noexcept:
+    cdef DeviceCachingAllocator a = <DeviceCachingAllocator><object>o
+    a.capture_alloc_stacks = False      # nothing left to record stacks with
+    a.capture_free_stacks = False
+    a.context_recorder = None
+    a.oom_observers = None
+    return 0
+
+
+pyalloc_set_tp_clear(<PyObject*>DeviceCachingAllocator, clear_allocator)
 
 
 # ------------------------------------------------------------------------------- the cache-hit path
@@ -962,6 +1129,29 @@ cdef inline void free_completed(DeviceCachingAllocator a, Block* b) noexcept:
         a.capture_uses.erase(b)
     a.active_blocks.erase(b.ptr)
     commit_free_completed(&a.st, b, 0)
+
+
+cdef inline int release_pointer_in_dealloc(DeviceCachingAllocator a, uintptr_t p) except -1:
+    """release_pointer for Buffer.__dealloc__: the block is freed whatever happens to the
+    free-call stack.
+
+    The stack is not recorded while the cyclic collector runs or the interpreter finalizes: the
+    recorder is Python code that may itself be garbage the collector has already cleared
+    (calling a cleared function crashes CPython), and the stack would only show where the
+    collection happened to start. A recorder that fails otherwise costs the stack, not the free.
+    """
+    cdef uint32_t context_id = 0
+    if a.capture_free_stacks and not gc_collecting and not pyalloc_is_finalizing():
+        try:
+            context_id = a.context_recorder()
+        except Exception:
+            context_id = 0
+    lock_allocator(a)
+    try:
+        allocator_free(a, lookup_allocated(a, p), context_id)
+    finally:
+        a.mutex.unlock()
+    return 0
 
 
 cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint known) except NULL:
@@ -1287,7 +1477,7 @@ cdef int alloc_block(DeviceCachingAllocator a, BlockPool* pool, uintptr_t stream
     if is_retry:
         a.st.num_alloc_retries += 1
     cdef size_t limit = a.st.settings.allowed_memory_maximum
-    if limit and a.st.total_allocated_memory + alloc_size > limit:
+    if limit != kSizeMax and a.st.total_allocated_memory + alloc_size > limit:
         return BACKEND_OOM
     if a.st.settings.expandable_segments:
         return try_allocate_expandable_block(&a.st, a.backend, pool, stream, size, out)
@@ -1486,10 +1676,11 @@ cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
     allocated = a.st.stats[ST_ALLOCATED_BYTES][0].current
     reserved = a.st.stats[ST_RESERVED_BYTES][0].current
     private = a.oom_private
-    allowed = a.st.settings.allowed_memory_maximum
-    for observer in list(a.oom_observers):
-        observer(a.backend.device, a.oom_alloc_size, allowed or a.oom_total, a.oom_free)
-    limit = f"{format_bytes(allowed)} allowed; " if allowed else ""
+    capped = a.st.settings.allowed_memory_maximum != kSizeMax
+    allowed = a.st.settings.allowed_memory_maximum if capped else None
+    for observer in list(a.oom_observers or ()):      # None once the collector cleared it
+        observer(a.backend.device, a.oom_alloc_size, allowed if capped else a.oom_total, a.oom_free)
+    limit = f"{format_bytes(allowed)} allowed; " if capped else ""
     in_private = (f"with {format_bytes(private)} allocated in private pools (e.g., CUDA Graphs), "
                   if private else "")
     raise OutOfMemoryError(
@@ -1503,7 +1694,7 @@ cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
         "fragmentation; `pyalloc tune` on a memory snapshot ranks every setting.",
         requested=requested, segment_size=a.oom_alloc_size, device=a.backend.device,
         total=a.oom_total, free=a.oom_free, allocated=allocated,
-        reserved_unallocated=reserved - allocated - private, allowed=allowed or None)
+        reserved_unallocated=reserved - allocated - private, allowed=allowed)
 
 
 # ------------------------------------------------------------------------------- events
@@ -1613,6 +1804,68 @@ cdef int synchronize_and_free_events(DeviceCachingAllocator a) except -1:
 
 
 # ------------------------------------------------------------------------------- introspection
+#
+# Readers copy what they report into C structs under the lock and build their Python objects
+# after it. Building them under the lock let a collection run there, and a Buffer it freed
+# re-entered free() on the same thread (the lock is recursive) and merged blocks mid-read: the
+# snapshot's segments then did not tile.
+
+cdef struct BlockCopy:
+    uintptr_t ptr
+    size_t size
+    size_t requested_size
+    uintptr_t stream
+    MempoolId pool_id
+    uint32_t metadata_id
+    uint32_t context_id
+    uint32_t segment_context_id
+    bint allocated
+    bint pending_free
+    bint is_small
+    bint expandable
+    bint starts_segment        # the first block of a snapshot segment
+
+
+cdef void copy_segments(DeviceCachingAllocator a, vector[BlockCopy]* out) noexcept:
+    """Every mapped block, segment by segment (lock held). A cudaMalloc segment is one snapshot
+    segment; an expandable segment is one per contiguous mapped range (PyTorch's convention)."""
+    cdef vector[Block*] blocks
+    cdef Block* head
+    cdef Block* b
+    cdef BlockCopy c
+    cdef bint starts
+    collect_blocks(a, &blocks)
+    for head in blocks:
+        if head.prev != NULL:
+            continue
+        starts = True
+        b = head
+        while b != NULL:
+            if not b.mapped:
+                starts = True
+                b = b.next
+                continue
+            c.ptr = b.ptr
+            c.size = b.size
+            c.requested_size = b.requested_size
+            c.stream = b.stream
+            if b.pool.owner == NULL:
+                c.pool_id.first = 0
+                c.pool_id.second = 0
+            else:
+                c.pool_id = b.pool.owner.id
+            c.metadata_id = b.metadata_id
+            c.context_id = b.context_id
+            c.segment_context_id = b.segment_context_id
+            c.allocated = b.allocated
+            c.pending_free = (not b.allocated) and (b.event_count > 0 or not b.stream_uses.empty())
+            c.is_small = b.pool.is_small
+            c.expandable = b.expandable
+            c.starts_segment = starts
+            starts = False
+            out.push_back(c)
+            b = b.next
+
 
 cdef void collect_pool(BlockPool* pool, vector[Block*]* out) noexcept:
     cdef BlockSet.iterator it = pool.blocks.begin()
@@ -1743,15 +1996,25 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
 # no_gc_clear: when a Buffer is freed as part of a garbage cycle, the collector must not clear
 # its allocator reference first, or __dealloc__ could not return the memory (it would leak).
 @cython.no_gc_clear
+@cython.auto_pickle(False)  # a pickled or copied Buffer would be a second owner of its block
 @cython.freelist(64)        # one per CuPy allocation: reuse the object memory
 cdef class Buffer:
     """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
 
     Attributes: ptr (device address), size (bytes requested), stream (handle), device (ordinal).
+
+    A Buffer is the one owner of its block: it cannot be copied or pickled (TypeError), and
+    __init__ runs once (RuntimeError on a second call, which leaves the Buffer as it was).
     """
     # (attributes declared in _core.pxd)
 
     def __init__(self, DeviceCachingAllocator allocator not None, nbytes, stream=0):
+        if self.allocator is not None:
+            # Refused rather than freeing the first block: whoever holds its pointer (a CuPy
+            # array, a kernel argument) would then use freed memory without being told.
+            raise RuntimeError(
+                f"Buffer.__init__ runs once: this Buffer already owns {self.size} bytes at "
+                f"{self.ptr:#x}; make a new Buffer instead")
         self.allocator = allocator
         self.size = request_size(nbytes)
         self.stream = stream_handle(stream)
@@ -1782,11 +2045,21 @@ cdef class Buffer:
     def __int__(self):
         return self.ptr
 
+    def __reduce__(self):
+        raise TypeError("a Buffer owns its device memory: it cannot be pickled or copied (the copy "
+                        "would free the same block a second time)")
+
+    def __copy__(self):
+        self.__reduce__()
+
+    def __deepcopy__(self, memo):
+        self.__reduce__()
+
     def __repr__(self):
         return (f"Buffer(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, "
                 f"device={self.device})")
 
     def __dealloc__(self):
         if self.ptr and self.allocator is not None:
-            release_pointer(self.allocator, self.ptr)
+            release_pointer_in_dealloc(self.allocator, self.ptr)
 

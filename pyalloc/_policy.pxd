@@ -89,7 +89,7 @@ cdef inline size_t reservation_size(size_t total_bytes, size_t page) noexcept no
 
 cdef inline bint gc_enabled(const Settings* s) noexcept nogil:
     """garbage_collection_threshold acts only under a per-process memory limit."""
-    return s.allowed_memory_maximum != 0 and s.gc_threshold > 0.0
+    return s.allowed_memory_maximum != kSizeMax and s.gc_threshold > 0.0
 
 
 cdef inline bint is_free(Block* b) noexcept nogil:
@@ -151,7 +151,9 @@ cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t 
     # request takes one only if the excess stays under max_non_split_rounding_size.
     if size < s.max_split_size and b.size >= s.max_split_size:
         return NULL
-    if size >= s.max_split_size and b.size >= size + s.max_non_split_rounding_size:
+    # (b.size >= size: the excess is compared, so a huge max_non_split_rounding_size saturates
+    # instead of wrapping size + limit around to a small number.)
+    if size >= s.max_split_size and b.size - size >= s.max_non_split_rounding_size:
         return NULL
     return b
 

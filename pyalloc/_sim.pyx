@@ -63,9 +63,21 @@ from libcpp.pair cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
 from cpython.pythread cimport PyThread_get_thread_ident
 
+cimport cython
+from cpython.object cimport PyObject
+
 from pyalloc._backend cimport (Backend, BACKEND_OK, BACKEND_OOM, CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL,
                                CAPTURE_RELAXED)
 from pyalloc.errors import CudaError
+import collections
+
+cdef extern from "_placement.h" namespace "pyalloc":
+    cdef cppclass GapIndex:
+        void insert(uintptr_t start, size_t gap)
+        void erase(uintptr_t start)
+        void set_gap(uintptr_t start, size_t gap)
+        bint lowest_fit_above(uintptr_t after, size_t n, uintptr_t* start, size_t* gap)
+        bint highest_fit_below(uintptr_t before, size_t n, uintptr_t* start, size_t* gap)
 
 cdef size_t MiB = 1 << 20
 cdef size_t GiB = 1 << 30
@@ -158,6 +170,10 @@ class _Graph:
         self.work = 0
 
 
+# no_gc_clear: an allocator collected together with its Buffers and this backend may still free
+# through it (events for blocks used on other streams), so the collector must not take its tables
+# away; clear_sim_device below drops only the hook, the one reference a user can add to it.
+@cython.no_gc_clear
 cdef class SimDevice(Backend):
     """A simulated device. Sizes are bytes; handles (streams, events, addresses) are ints.
 
@@ -185,7 +201,9 @@ cdef class SimDevice(Backend):
     cdef readonly bint top_down
     cdef readonly size_t alignment
     cdef cppmap[uintptr_t, size_t] _segments          # live segments: address -> bytes
-    cdef dict _placements                              # bytes -> list of queued addresses
+    cdef GapIndex _gaps                                # the same segments, by the room below each
+    cdef bint _overlapping                             # some live segments overlap (see _first_fit)
+    cdef dict _placements                              # bytes -> deque of queued addresses
     cdef Py_ssize_t _pending_placements
     cdef unordered_map[uintptr_t, StreamState] _streams
     cdef unordered_map[uintptr_t, deque[Barrier]] _barriers
@@ -264,7 +282,7 @@ cdef class SimDevice(Backend):
             if addr <= 0 or size <= 0:
                 raise ValueError(f"placement ({addr:#x}, {size}) needs a positive address and size")
         for addr, size in items:
-            self._placements.setdefault(size, []).append(addr)
+            self._placements.setdefault(size, collections.deque()).append(addr)
         self._pending_placements += len(items)
 
     @property
@@ -286,7 +304,82 @@ cdef class SimDevice(Backend):
                 return True
         return False
 
+    # Placement. The addresses are those of a walk over the live segments (_first_fit_walk,
+    # _top_fit_walk, which define them), found in O(log n) through _gaps: the gap below a segment
+    # is the room between its predecessor's end, aligned up, and its start, and a request of n
+    # bytes fits below a segment exactly when that gap is at least n. That reading holds while
+    # the live segments are disjoint; a queued placement below base_address can make first fit
+    # overlap it, and until the device is empty again placement walks, as it always did.
+
+    cdef inline size_t _gap_below(self, cppmap[uintptr_t, size_t].iterator it):
+        """The gap below the segment at `it` (SIZE_MAX for the lowest segment)."""
+        if it == self._segments.begin():
+            return <size_t>-1
+        cdef cppmap[uintptr_t, size_t].iterator prev = it
+        dec(prev)
+        cdef uintptr_t floor = self._align_up(deref(prev).first + deref(prev).second)
+        return deref(it).first - floor if deref(it).first > floor else 0
+
+    cdef inline uintptr_t _align_up(self, uintptr_t addr):
+        return (addr + self.alignment - 1) & ~(self.alignment - 1)
+
+    cdef bint _indexed(self, size_t nbytes):
+        """Whether _gaps answers a placement of nbytes: disjoint segments, and addresses small
+        enough that no sum in the walk wraps around 2**64."""
+        if self._overlapping or nbytes == 0 or nbytes > (<size_t>1 << 62):
+            return False
+        if self.alignment > (<size_t>1 << 61) or self.base_address > (<uintptr_t>1 << 62):
+            return False
+        if self._segments.empty():
+            return True
+        cdef cppmap[uintptr_t, size_t].iterator last = self._segments.end()
+        dec(last)
+        return deref(last).first + deref(last).second <= (<uintptr_t>1 << 62)
+
+    cdef int _add_segment(self, uintptr_t addr, size_t nbytes) except -1:
+        self._segments[addr] = nbytes
+        cdef cppmap[uintptr_t, size_t].iterator it = self._segments.find(addr)
+        cdef cppmap[uintptr_t, size_t].iterator prev = it, nxt = it
+        inc(nxt)
+        if it != self._segments.begin():
+            dec(prev)
+            if deref(prev).first + deref(prev).second > addr:
+                self._overlapping = True
+        if nxt != self._segments.end() and addr + nbytes > deref(nxt).first:
+            self._overlapping = True
+        self._gaps.insert(addr, self._gap_below(it))
+        if nxt != self._segments.end():
+            self._gaps.set_gap(deref(nxt).first, self._gap_below(nxt))
+        return 0
+
+    cdef int _remove_segment(self, cppmap[uintptr_t, size_t].iterator it) except -1:
+        cdef cppmap[uintptr_t, size_t].iterator nxt = it
+        inc(nxt)
+        self._gaps.erase(deref(it).first)
+        self._segments.erase(it)
+        if nxt != self._segments.end():
+            self._gaps.set_gap(deref(nxt).first, self._gap_below(nxt))
+        if self._segments.empty():
+            self._overlapping = False
+        return 0
+
     cdef uintptr_t _first_fit(self, size_t nbytes):
+        # The lowest free aligned address from base_address up (segments below it are ignored).
+        if not self._indexed(nbytes):
+            return self._first_fit_walk(nbytes)
+        cdef uintptr_t base = self.base_address
+        cdef cppmap[uintptr_t, size_t].iterator it = self._segments.lower_bound(base)
+        if it == self._segments.end() or deref(it).first >= base + nbytes:
+            return base
+        cdef uintptr_t start
+        cdef size_t gap
+        if self._gaps.lowest_fit_above(deref(it).first, nbytes, &start, &gap):
+            return start - gap
+        it = self._segments.end()
+        dec(it)
+        return self._align_up(deref(it).first + deref(it).second)
+
+    cdef uintptr_t _first_fit_walk(self, size_t nbytes):
         cdef uintptr_t cursor = self.base_address
         cdef cppmap[uintptr_t, size_t].iterator it = self._segments.lower_bound(cursor)
         while it != self._segments.end():
@@ -300,9 +393,30 @@ cdef class SimDevice(Backend):
 
     cdef uintptr_t _top_fit(self, size_t nbytes):
         # Highest aligned address below base + 1 TiB where nbytes fit; first fit if none does.
-        cdef uintptr_t top = self.base_address + TOP_DOWN_RANGE
         if nbytes > TOP_DOWN_RANGE:
             return self._first_fit(nbytes)
+        if not self._indexed(nbytes):
+            return self._top_fit_walk(nbytes)
+        cdef uintptr_t top = self.base_address + TOP_DOWN_RANGE
+        cdef uintptr_t addr = (top - nbytes) & ~(self.alignment - 1)
+        cdef cppmap[uintptr_t, size_t].iterator it = self._segments.lower_bound(top)
+        cdef uintptr_t start
+        cdef size_t gap
+        if it != self._segments.begin():
+            dec(it)
+            if deref(it).first + deref(it).second > addr:
+                # The room under `top` is taken: the highest gap below a segment that fits.
+                if not self._gaps.highest_fit_below(top, nbytes, &start, &gap):
+                    return self._first_fit(nbytes)
+                if start < self.base_address + nbytes:
+                    return self._first_fit(nbytes)
+                addr = (start - nbytes) & ~(self.alignment - 1)
+        if addr < self.base_address:
+            return self._first_fit(nbytes)
+        return addr
+
+    cdef uintptr_t _top_fit_walk(self, size_t nbytes):
+        cdef uintptr_t top = self.base_address + TOP_DOWN_RANGE
         cdef uintptr_t addr = (top - nbytes) & ~(self.alignment - 1)
         cdef cppmap[uintptr_t, size_t].iterator it = self._segments.lower_bound(top)
         cdef uintptr_t start, end
@@ -314,10 +428,10 @@ cdef class SimDevice(Backend):
                 break
             if start < addr + nbytes:          # overlaps: go below this segment
                 if start < self.base_address + nbytes:
-                    return self._first_fit(nbytes)
+                    return self._first_fit_walk(nbytes)
                 addr = (start - nbytes) & ~(self.alignment - 1)
         if addr < self.base_address:
-            return self._first_fit(nbytes)
+            return self._first_fit_walk(nbytes)
         return addr
 
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
@@ -331,7 +445,7 @@ cdef class SimDevice(Backend):
         cdef uintptr_t addr
         queue = self._placements.get(nbytes)
         if queue:
-            addr = queue.pop(0)
+            addr = queue.popleft()
             self._pending_placements -= 1
             if self._overlaps(addr, nbytes):
                 raise RuntimeError(
@@ -341,7 +455,7 @@ cdef class SimDevice(Backend):
             addr = self._top_fit(nbytes)
         else:
             addr = self._first_fit(nbytes)
-        self._segments[addr] = nbytes
+        self._add_segment(addr, nbytes)
         self.used_memory += nbytes
         ptr[0] = addr
         return BACKEND_OK
@@ -353,7 +467,7 @@ cdef class SimDevice(Backend):
         cdef cppmap[uintptr_t, size_t].iterator it = self._segments.find(ptr)
         if it == self._segments.end() or deref(it).second != nbytes:
             raise RuntimeError(f"SimDevice: free of {ptr:#x} ({nbytes} bytes), which is not a live segment")
-        self._segments.erase(it)
+        self._remove_segment(it)
         self.used_memory -= nbytes
         return BACKEND_OK
 
@@ -1066,3 +1180,23 @@ cdef class SimDevice(Backend):
         ordered before theirs in every launch of the graph."""
         self._node(node)
         return node in self._ancestor_set(list(of_nodes))
+
+
+# The collector's tp_clear for SimDevice (see the note above the class).
+
+cdef extern from *:
+    """
+    static void pyalloc_set_tp_clear(PyObject* type, inquiry clear) {
+        ((PyTypeObject*)type)->tp_clear = clear;
+    }
+    """
+    ctypedef int (*tp_clear_fn "inquiry")(PyObject*) noexcept
+    void pyalloc_set_tp_clear(PyObject* type, tp_clear_fn clear)
+
+
+cdef int clear_sim_device(PyObject* o) noexcept:
+    (<SimDevice><object>o).segment_alloc_hook = None
+    return 0
+
+
+pyalloc_set_tp_clear(<PyObject*>SimDevice, clear_sim_device)

@@ -375,7 +375,7 @@ struct Settings {
     bool graph_reuse = false;                    // graph_capture_record_stream_reuse (#162186)
     bool graph_last_use = false;                 // graph_capture_last_use_marks (pyalloc only)
     bool graph_cross_stream_reuse = false;       // graph_capture_cross_stream_reuse (pyalloc only)
-    size_t allowed_memory_maximum = 0;           // 0: no per-process limit
+    size_t allowed_memory_maximum = (size_t)-1;  // SIZE_MAX: no per-process limit (0 allows nothing)
     double memory_fraction = 1.0;
 };
 

@@ -4,6 +4,8 @@
 Each raises TypeError or ValueError naming the value and what was expected (OutOfMemoryError for
 a size of 1 EiB or more, as PyTorch), and touches no allocator state.
 """
+from cpython.number cimport PyNumber_Index
+
 from pyalloc._policy cimport kMaxRequest
 from pyalloc.errors import OutOfMemoryError
 
@@ -32,12 +34,19 @@ cdef uintptr_t stream_handle_other(object stream) except? <uintptr_t>-1:
 
 
 cdef object as_index(object value, str expected):
-    """value as an int (through __index__; bools refused), or TypeError: "{expected}, got ..."."""
+    """value as an exact int (through __index__, as operator.index; bools refused), or
+    TypeError: "{expected}, got ...".
+
+    The result is checked as operator.index checks it: callers read the int's digits directly
+    (exact_int_to_u64), so an __index__ that returned a str or a float must not get through."""
     if type(value) is int:
         return value
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{expected}, got {type(value).__name__} {value!r}")
-    return value.__index__()
+    try:
+        return PyNumber_Index(value)        # an exact int; TypeError for a non-int result
+    except TypeError as err:
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}: {err}") from None
 
 
 cdef uintptr_t device_pointer_other(object ptr) except? 0:

@@ -15,11 +15,20 @@ from pyalloc.errors import format_bytes
 _log = logging.getLogger("pyalloc")
 
 
+_SIM_BASE = 0x7F0000000000              # device 0's simulated address range starts here
+_SIM_RANGE = 1 << 40                     # 1 TiB per simulated device
+MAX_DEVICE = 2**31 - 1                   # a CUDA ordinal is a C int
+MAX_SIM_DEVICE = (2**64 - _SIM_BASE) // _SIM_RANGE - 2    # the last whose range ends below 2**64
+
+
 def _sim_device(device):
     # Each simulated device gets its own 1 TiB address range, so that (as with CUDA's unified
     # addressing) no two devices ever hand out the same pointer and a pointer names its device.
+    if device > MAX_SIM_DEVICE:
+        raise ValueError(f"device {device} has no simulated address range: the simulated devices' "
+                         f"1 TiB ranges fit 64-bit addresses up to device {MAX_SIM_DEVICE}")
     from pyalloc._sim import SimDevice
-    return SimDevice(device=device, base_address=0x7F0000000000 + device * (1 << 40))
+    return SimDevice(device=device, base_address=_SIM_BASE + device * _SIM_RANGE)
 
 
 def make_backend(backend, device):
@@ -59,8 +68,8 @@ class CachingAllocator(DeviceCachingAllocator):
     """
 
     def __init__(self, device=0, *, backend="sim", config=None):
-        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-            raise ValueError(f"device must be an int ordinal >= 0, got {device!r}")
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device <= MAX_DEVICE:
+            raise ValueError(f"device must be an int ordinal in [0, 2**31), got {device!r}")
         settings = _config.current_settings().copy() if config is None else _config.resolve_config(config)
         super().__init__(make_backend(backend, device))
         self._settings = settings

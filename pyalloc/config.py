@@ -560,6 +560,16 @@ _lock = threading.RLock()        # guards the two globals below; held briefly
 _set_lock = threading.RLock()    # orders whole set_allocator_settings calls, notifications included
 _process_settings: CudaAllocatorConfig | None = None
 _listeners: list[weakref.ref] = []   # weak, so that a registered allocator can still be collected
+_dead_listeners = 0                  # entries of _listeners whose listener died since the last prune
+
+
+def _listener_died(ref) -> None:
+    # A weakref callback runs wherever the collector or a decref happens to free the listener,
+    # possibly while this thread iterates _listeners under _lock: it only counts, and
+    # add_settings_listener prunes, so that registering allocator after allocator (each dropped)
+    # keeps the list at most twice the live listeners instead of growing by one entry each.
+    global _dead_listeners
+    _dead_listeners += 1
 
 
 def current_settings() -> CudaAllocatorConfig:
@@ -605,9 +615,14 @@ def get_allocator_settings() -> str:
 def add_settings_listener(listener: Callable[[CudaAllocatorConfig], object]) -> None:
     """Call ``listener(settings)`` after each set_allocator_settings. Only a weak reference is
     kept (WeakMethod for bound methods): the caller keeps the listener alive."""
+    global _dead_listeners
     is_method = isinstance(listener, types.MethodType)
-    ref = weakref.WeakMethod(listener) if is_method else weakref.ref(listener)
+    ref = (weakref.WeakMethod(listener, _listener_died) if is_method
+           else weakref.ref(listener, _listener_died))
     with _lock:
+        if 2 * _dead_listeners >= len(_listeners) > 0:
+            _listeners[:] = [r for r in _listeners if r() is not None]
+            _dead_listeners = 0
         _listeners.append(ref)
 
 
