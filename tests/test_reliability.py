@@ -7,6 +7,7 @@ that the old behaviour fails the test instead of killing the test run.
 """
 import copy
 import gc
+import os
 import pickle
 import random
 import subprocess
@@ -25,9 +26,12 @@ GiB = 1 << 30
 
 
 def run_python(code):
-    """Run `code` in a fresh interpreter; returns the CompletedProcess (text stdout/stderr)."""
+    """Run `code` in a fresh interpreter; returns the CompletedProcess (text stdout/stderr).
+
+    cwd: the tests folder, so that a source checkout's pyalloc/ (no compiled modules when the
+    package is installed elsewhere, as in CI) never shadows the installed package."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def assert_clean_exit(out):
