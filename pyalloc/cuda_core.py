@@ -9,9 +9,10 @@ allocators (the ones CuPy, Numba and PyTorch use through pyalloc's other hooks).
     buf.close()                                           # or drop it: back into pyalloc's cache
 
 - allocate(size, stream=None): a block of the device's default allocator for `stream` (a
-  cuda.core Stream, or any stream pyalloc accepts; None: the default stream), wrapped as
-  Buffer.from_handle(ptr, size, mr=self), with `stream` as the Buffer's deallocation stream where
-  this cuda.core records one. A GraphBuilder is refused (NotImplementedError): memory handed out
+  cuda.core Stream, or another object cuda.core accepts as one; None: cuda.core's default stream,
+  which needs a current context), wrapped as Buffer.from_handle(ptr, size, mr=self), with `stream`
+  as the Buffer's deallocation stream where this cuda.core records one (cuda.core 0.5 and later).
+  When cuda.core refuses the Buffer, the block goes back and the error propagates. A GraphBuilder is refused (NotImplementedError): memory handed out
   inside a capture must stay reserved for the graph's replays; capture with pyalloc's graph pools.
 - deallocate(ptr, size, stream=None): cuda.core calls it when the Buffer is closed or collected.
   The block goes back to pyalloc's cache, ordered on its allocation stream; when `stream` is
@@ -172,4 +173,5 @@ def _build():
             return f"PyallocMemoryResource(device_id={self._device_id})"
 
     PyallocMemoryResource.__module__ = __name__
+    PyallocMemoryResource.__qualname__ = "PyallocMemoryResource"
     return PyallocMemoryResource

@@ -30,8 +30,8 @@ pytestmark = [
 ]
 
 MiB = 1 << 20
-# Reuse tests use this size: no block left in the cache by earlier tests has it, so best fit can
-# only pick the block the test freed (or a new one).
+# Reuse tests empty the cache, allocate for a stream of their own and use this size, so that best
+# fit can only pick the blocks the test made: which address comes back then says what was reusable.
 ODD_BYTES = 5 * MiB + 12 * 1024
 ODD_ELEMENTS = ODD_BYTES // 4
 HERE = Path(__file__).resolve().parent
@@ -254,24 +254,30 @@ def test_numba_ipc_handle_of_an_expandable_segment_raises_not_implemented(cuda):
 
 
 def busy_stream_scenario(cuda, kernels, record):
-    """A kernel on stream s waits for a host flag while using array `a` (allocated on stream 0);
-    `a` is dropped, optionally after pyalloc.record_stream(a, s). Returns (a's address, the
-    address a new array of the same size gets while s is still busy, its address once s is done)."""
+    """A kernel on stream s waits for a host flag while using array `a`; `a` is dropped, optionally
+    after pyalloc.record_stream(a, s). Returns (a's address, the address a new array of the same
+    size gets while s is still busy, its address once s is done).
+
+    The arrays are allocated for a stream of their own (s0), so that the only blocks best fit can
+    choose from are this scenario's: a's segment is [a | rest], and a new array gets a's block
+    exactly when a is free (while busy, b takes the rest; after, a's block is the exact fit)."""
+    import pyalloc.numba as pn
     pyalloc.empty_cache()
     flag = cuda.mapped_array(1, dtype=np.int32)
     flag[0] = 0
-    s = cuda.stream()
-    a = cuda.device_array(ODD_ELEMENTS, dtype=np.int32)
-    kernels["wait_then_fill"][32, 256, s](flag, a, 7, 20_000_000)
-    if record:
-        pyalloc.record_stream(a, s)
-    ptr = numba_ptr(a)
-    del a
-    gc.collect()
-    b = cuda.device_array(ODD_ELEMENTS, dtype=np.int32)      # while s is still busy
-    flag[0] = 1
-    s.synchronize()
-    c = cuda.device_array(ODD_ELEMENTS, dtype=np.int32)      # once s is done
+    s, s0 = cuda.stream(), cuda.stream()
+    with pn.allocation_stream(s0):
+        a = cuda.device_array(ODD_ELEMENTS, dtype=np.int32)
+        kernels["wait_then_fill"][32, 256, s](flag, a, 7, 20_000_000)
+        if record:
+            pyalloc.record_stream(a, s)
+        ptr = numba_ptr(a)
+        del a
+        gc.collect()
+        b = cuda.device_array(ODD_ELEMENTS, dtype=np.int32)      # while s is still busy
+        flag[0] = 1
+        s.synchronize()
+        c = cuda.device_array(ODD_ELEMENTS, dtype=np.int32)      # once s is done
     result = (ptr, numba_ptr(b), numba_ptr(c))
     del b, c
     return result
