@@ -152,13 +152,17 @@ def make_cases(nbytes):
     return cases, notes
 
 
-RATIOS = [
-    ("numba device_array: pyalloc / Numba's own (target <= 1.0)", "numba_array_pyalloc", "numba_array_default"),
+RATIOS = [    # (label, numerator case, denominator case)
+    ("numba device_array: pyalloc / Numba's own (target <= 1.0)",
+     "numba_array_pyalloc", "numba_array_default"),
     ("numba memalloc: pyalloc / Numba's own", "numba_memalloc_pyalloc", "numba_memalloc_default"),
-    ("cuda.core Buffer: pyalloc / DeviceMemoryResource (target <= 1.0)", "core_buffer_pyalloc", "core_buffer_dmr"),
+    ("cuda.core Buffer: pyalloc / DeviceMemoryResource (target <= 1.0)",
+     "core_buffer_pyalloc", "core_buffer_dmr"),
     ("pyalloc's part: pair / numba device_array via pyalloc", "pyalloc_pair", "numba_array_pyalloc"),
-    ("pyalloc's part: Buffer pair / numba memalloc via pyalloc", "pyalloc_buffer_pair", "numba_memalloc_pyalloc"),
-    ("pyalloc's part: pair on the stream / cuda.core Buffer via pyalloc", "pyalloc_pair_stream", "core_buffer_pyalloc"),
+    ("pyalloc's part: Buffer pair / numba memalloc via pyalloc",
+     "pyalloc_buffer_pair", "numba_memalloc_pyalloc"),
+    ("pyalloc's part: pair on the stream / cuda.core Buffer via pyalloc",
+     "pyalloc_pair_stream", "core_buffer_pyalloc"),
 ]
 
 

@@ -12,8 +12,9 @@ allocators (the ones CuPy, Numba and PyTorch use through pyalloc's other hooks).
   cuda.core Stream, or another object cuda.core accepts as one; None: cuda.core's default stream,
   which needs a current context), wrapped as Buffer.from_handle(ptr, size, mr=self), with `stream`
   as the Buffer's deallocation stream where this cuda.core records one (cuda.core 0.5 and later).
-  When cuda.core refuses the Buffer, the block goes back and the error propagates. A GraphBuilder is refused (NotImplementedError): memory handed out
-  inside a capture must stay reserved for the graph's replays; capture with pyalloc's graph pools.
+  When cuda.core refuses the Buffer, the block goes back and the error propagates. A GraphBuilder
+  is refused (NotImplementedError): memory handed out inside a capture must stay reserved for the
+  graph's replays; capture with pyalloc's graph pools.
 - deallocate(ptr, size, stream=None): cuda.core calls it when the Buffer is closed or collected.
   The block goes back to pyalloc's cache, ordered on its allocation stream; when `stream` is
   another stream (Buffer.close(stream) or set_deallocation_stream), the block is also recorded on

@@ -30,6 +30,7 @@ pytestmark = [
 ]
 
 MiB = 1 << 20
+GiB = 1 << 30
 # Reuse tests empty the cache, allocate for a stream of their own and use this size, so that best
 # fit can only pick the blocks the test made: which address comes back then says what was reusable.
 ODD_BYTES = 5 * MiB + 12 * 1024
@@ -90,29 +91,31 @@ def cuda():
 @pytest.fixture(scope="module")
 def kernels(cuda):
     """Numba kernels; skips with the reason where Numba cannot compile (no NVVM)."""
+    def probe(x):
+        x[0] = 1
+
     try:
-        @cuda.jit
-        def write_index(x):
-            i = cuda.grid(1)
-            if i < x.size:
-                x[i] = i
-
-        @cuda.jit
-        def wait_then_fill(flag, out, value, max_iters):
-            # Spins until the host sets flag[0] (or, as a safety net only, max_iters sleeps of ~1
-            # us pass), then fills `out`: holds a stream busy for as long as the test wants.
-            n = 0
-            while flag[0] == 0 and n < max_iters:
-                cuda.nanosleep(1000)
-                n += 1
-            for j in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-                out[j] = value
-
-        probe = cuda.device_array(4, dtype=np.int32)
-        write_index[1, 32](probe)
-        cuda.synchronize()
+        cuda.jit("void(int32[:])")(probe)                 # compiles now: is NVVM there?
     except Exception as exc:         # noqa: BLE001 - the reason is the skip message
         pytest.skip(f"Numba cannot compile kernels here: {type(exc).__name__}: {exc}")
+
+    @cuda.jit
+    def write_index(x):
+        i = cuda.grid(1)
+        if i < x.size:
+            x[i] = i
+
+    @cuda.jit
+    def wait_then_fill(flag, out, value, max_iters):
+        # Spins until the host sets flag[0] (or, as a safety net only, max_iters sleeps of ~1 us
+        # pass), then fills `out`: holds a stream busy for as long as the test wants.
+        n = 0
+        while flag[0] == 0 and n < max_iters:
+            cuda.nanosleep(1000)
+            n += 1
+        for j in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            out[j] = value
+
     return {"write_index": write_index, "wait_then_fill": wait_then_fill}
 
 
@@ -160,19 +163,24 @@ def test_numba_slice_keeps_the_memory_alive_after_its_base_is_dropped(cuda, kern
     assert not live(ptr)
 
 
+def more_than_the_device():
+    return alloc0().backend.mem_get_info()[1] + GiB
+
+
 def test_numba_out_of_memory_raises_pyalloc_and_numba_errors(cuda):
-    from numba.cuda.cudadrv.driver import CudaAPIError
-    with pytest.raises(pyalloc.OutOfMemoryError) as info:
-        cuda.device_array(1 << 48, dtype=np.float32)          # 1 PiB
     from numba.cuda.cudadrv import driver
     import pyalloc.numba as pn
-    assert isinstance(info.value, CudaAPIError)
+    nbytes = more_than_the_device()
+    with pytest.raises(pyalloc.OutOfMemoryError) as info:
+        cuda.device_array(nbytes, dtype=np.uint8)
+    assert isinstance(info.value, driver.CudaAPIError)
     assert info.value.code == pn._numba_bindings(driver)[1]       # CUDA_ERROR_OUT_OF_MEMORY
+    assert info.value.requested == nbytes
 
 
 def test_numba_out_of_memory_leaves_the_allocator_usable(cuda):
     with pytest.raises(pyalloc.OutOfMemoryError):
-        cuda.device_array(1 << 48, dtype=np.float32)
+        cuda.device_array(more_than_the_device(), dtype=np.uint8)
     a = cuda.device_array(MiB, dtype=np.uint8)
     assert live(numba_ptr(a))
 
@@ -503,17 +511,16 @@ def test_cuda_core_buffer_closed_on_its_own_stream_is_reused_at_once(mr, streams
 def test_cuda_core_out_of_memory_raises_pyalloc_out_of_memory_error(mr, streams):
     before = alloc0().memory_allocated()
     with pytest.raises(pyalloc.OutOfMemoryError):
-        mr.allocate(1 << 50, stream=streams[0])
+        mr.allocate(more_than_the_device(), stream=streams[0])
     assert alloc0().memory_allocated() == before
 
 
-def test_cuda_core_empty_cache_returns_freed_buffers_segments(mr, streams):
+def test_cuda_core_empty_cache_gives_a_closed_buffers_memory_back_to_the_device(mr, streams):
     buf = mr.allocate(64 * MiB, stream=streams[0])
-    ptr = int(buf.handle)
     buf.close()
+    cached = alloc0().memory_reserved()
     pyalloc.empty_cache()
-    assert all(not (s["address"] <= ptr < s["address"] + s["total_size"])
-               for s in alloc0()._segments())
+    assert alloc0().memory_reserved() <= cached - 64 * MiB
 
 
 # ============================================================================== one pool for all
