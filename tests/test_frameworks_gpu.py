@@ -546,6 +546,7 @@ ONE_POOL_CHECKS = [
     "numba_allocates_from_pyalloc", "cupy_allocates_from_pyalloc", "cuda_core_allocates_from_pyalloc",
     "torch_allocates_from_pyalloc", "memory_stats_counts_every_framework",
     "numba_array_in_torch_lives_until_torch_drops_it", "cupy_array_in_numba_lives_until_numba_drops_it",
+    "numba_kernel_computes_on_cupy_memory",
     "torch_tensor_in_cupy_lives_until_cupy_drops_it", "cupy_array_in_torch_lives_until_torch_drops_it",
     "cuda_core_buffer_in_cupy_lives_until_cupy_drops_it", "everything_is_freed_at_the_end",
 ]
