@@ -124,3 +124,29 @@ PYALLOC_EXPORT void pyalloc_torch_empty_cache(void) {
     const pyalloc_capi* t = table_or_throw();
     if (t->empty_cache(-1) != PYALLOC_OK) throw_last_error(t, "empty_cache failed");
 }
+
+// A one-slot cache over pyalloc with nothing else (no lock, no statistics, one size): the floor
+// that bench/bench_torch_hook.py measures PyTorch's pluggable path itself with, so that pyalloc's
+// own share of an allocation is (pyalloc - this). Not for use: one thread, one size.
+namespace {
+void* one_slot_ptr = nullptr;
+ssize_t one_slot_size = -1;
+}
+
+PYALLOC_EXPORT void* pyalloc_torch_one_slot_malloc(ssize_t size, int device, void* stream) {
+    if (one_slot_ptr != nullptr && size == one_slot_size) {
+        void* p = one_slot_ptr;
+        one_slot_ptr = nullptr;
+        return p;
+    }
+    return pyalloc_torch_malloc(size, device, stream);
+}
+
+PYALLOC_EXPORT void pyalloc_torch_one_slot_free(void* ptr, ssize_t size, int device, void* stream) {
+    if (one_slot_ptr == nullptr) {
+        one_slot_ptr = ptr;
+        one_slot_size = size;
+        return;
+    }
+    pyalloc_torch_free(ptr, size, device, stream);
+}
