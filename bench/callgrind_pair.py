@@ -16,8 +16,9 @@ import sys
 import tempfile
 
 CHILD = r"""
-import sys
+import gc, sys
 import pyalloc
+gc.disable()
 a = pyalloc.CachingAllocator(backend=pyalloc.SimDevice(), config="")
 malloc, free = a.malloc, a.free
 free(malloc(4096))
@@ -27,7 +28,7 @@ for _ in range(int(sys.argv[1])):
 
 
 def instructions(site, pairs, python):
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONHASHSEED="0")     # the same interpreter start-up every time
     if site != ".":
         env["PYTHONPATH"] = os.path.abspath(site) + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory() as tmp:

@@ -292,7 +292,10 @@ def test_c_caller_holding_the_gil_gives_it_up_while_it_waits_for_the_lock():
         lib = ctypes.PyDLL(pt.library_path())          # calls keep the GIL
         lib.pyalloc_torch_malloc.restype = ctypes.c_void_p
         lib.pyalloc_torch_malloc.argtypes = (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-        alloc.free(alloc.malloc(512))                  # a cached small block: a cache hit below
+        lib.pyalloc_torch_free.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+        # through the library: publishes the allocator for the cache-hit path, and caches a
+        # small block that the call below is served from
+        lib.pyalloc_torch_free(lib.pyalloc_torch_malloc(512, 0, None), 512, 0, None)
         inside = threading.Event()
         def slow_driver(nbytes):
             inside.set()
