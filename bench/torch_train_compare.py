@@ -25,7 +25,10 @@ if kind == "pyalloc":
     import pyalloc, pyalloc.torch as pt
     pt.install()
 torch.manual_seed(0)
-torch.use_deterministic_algorithms(True)
+torch.use_deterministic_algorithms(True, warn_only=True)
+torch.backends.cuda.enable_flash_sdp(False)          # the math attention kernels: deterministic
+torch.backends.cuda.enable_mem_efficient_sdp(False)
+torch.backends.cuda.enable_math_sdp(True)
 torch.backends.cudnn.deterministic = True
 torch.backends.cudnn.benchmark = False
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -87,14 +90,17 @@ def main(argv=None):
     every = [run["losses"] for kind in runs for run in runs[kind]]
     max_diff = max(abs(a - b) for losses in every for a, b in zip(losses, reference))
     identical = all(losses == reference for losses in every)
+    native_identical = all(run["losses"] == reference for run in runs["native"])
     step = {k: statistics.median(r["step_s"] for r in v) for k, v in runs.items()}
     peak = {k: max(r["peak_reserved"] for r in v) for k, v in runs.items()}
     result = {"steps": args.steps, "rounds": args.rounds, "losses_identical": identical,
+              "native_runs_identical": native_identical,
               "max_loss_difference": max_diff, "first_loss": reference[0], "last_loss": reference[-1],
               "peak_reserved": peak, "peak_reserved_pyalloc_over_native": peak["pyalloc"] / peak["native"],
               "step_s": step, "step_time_pyalloc_over_native": step["pyalloc"] / step["native"]}
     print(f"{args.steps} steps x {args.rounds} rounds: losses identical {identical} "
-          f"(max difference {max_diff:.3g}; loss {reference[0]:.4f} -> {reference[-1]:.4f})")
+          f"(max difference {max_diff:.3g}; loss {reference[0]:.4f} -> {reference[-1]:.4f}; "
+          f"native runs identical among themselves: {native_identical})")
     print(f"peak reserved: native {peak['native'] / 2**20:.1f} MiB, pyalloc {peak['pyalloc'] / 2**20:.1f} MiB "
           f"(pyalloc/native {result['peak_reserved_pyalloc_over_native']:.3f})")
     print(f"median step: native {step['native'] * 1e3:.2f} ms, pyalloc {step['pyalloc'] * 1e3:.2f} ms "

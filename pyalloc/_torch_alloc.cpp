@@ -34,8 +34,9 @@ namespace {
 std::atomic<const pyalloc_capi*> bound_table{nullptr};
 }
 
-// Global namespace and this exact name: see the file comment.
-struct python_error : public std::exception {
+// Global namespace, this exact name and default visibility (its type_info is compared by name with
+// torch's, as for any type shared between shared libraries): see the file comment.
+struct __attribute__((visibility("default"))) python_error : public std::exception {
     void* type;
     void* value;
     void* traceback;
