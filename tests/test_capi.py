@@ -394,3 +394,57 @@ def test_contended_threads_never_share_a_block_and_stats_balance(workers):
         assert alloc.backend.counters["segment_alloc"] > 1    # the slow path ran too, contended
     finally:
         pyalloc.set_default_backend(None)
+
+
+# ------------------------------------------------------------------------------- same decisions
+
+from hypothesis import given, settings, strategies as st
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("malloc"), st.sampled_from([1, 512, 513, 4096, 100_000, MiB, MiB + 1, 5 * MiB, 30 * MiB])),
+    st.tuples(st.just("free"), st.integers(0, 50)),
+    st.tuples(st.just("record"), st.integers(0, 50)),
+    st.tuples(st.just("sync"), st.just(0))), max_size=60)
+
+
+def replay_ops(ops, through_table):
+    """Run `ops` on a fresh default allocator of device 0; returns (pointers, stats)."""
+    pyalloc.set_default_backend(sim_device)
+    alloc = pyalloc.get_allocator(0)
+    sim = alloc.backend
+    side = sim.create_stream()
+    live, pointers = [], []
+    for op, arg in ops:
+        if op == "malloc":
+            if through_table:
+                code, ptr = c_malloc(arg)
+                assert code == 0
+            else:
+                ptr = alloc.malloc(arg)
+            live.append(ptr)
+            pointers.append(ptr)
+        elif op == "free" and live:
+            ptr = live.pop(arg % len(live))
+            assert (table().free(0, ptr) == 0) if through_table else alloc.free(ptr) is None
+        elif op == "record" and live:
+            sim.launch(side, 1)
+            ptr = live[arg % len(live)]
+            assert (table().record_stream(0, ptr, side) == 0) if through_table else \
+                alloc.record_stream(ptr, side) is None
+        elif op == "sync":
+            sim.synchronize()
+    stats = alloc.memory_stats()
+    alloc._check_invariants()
+    for ptr in live:
+        alloc.free(ptr)
+    sim.synchronize()
+    return pointers, stats
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPS)
+def test_entry_points_make_the_same_decisions_as_the_python_methods(ops):
+    try:
+        assert replay_ops(ops, through_table=True) == replay_ops(ops, through_table=False)
+    finally:
+        pyalloc.set_default_backend(None)
