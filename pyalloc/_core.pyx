@@ -24,7 +24,9 @@ are "this thread" (use_mem_pool) and "this stream is in capture c" (graph captur
 Locking: every public method takes the allocator's one C-level recursive mutex. The GIL is
 released while waiting for it, so a thread that holds the mutex and has released the GIL inside a
 slow driver call can always finish. Recursive because a Python finalizer (a Buffer collected while
-an exception object is built) may re-enter free() on the same thread.
+an exception object is built) may re-enter free() on the same thread. C callers on any thread
+(pyalloc._capi) take the lock for cache hits only, giving up the GIL while they wait if they hold
+it, and never wait for the GIL while holding the lock: a miss unlocks first, then takes the GIL.
 """
 from libc.stdint cimport uintptr_t, int64_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
