@@ -2,8 +2,8 @@
 # One GPU-machine call for this round's checks, on top of tools/gpu-check.sh's build: the GPU tests
 # (also under expandable segments; the framework hooks' among them), the CPU suite on that
 # machine's Python, CuPy's own graph tests with pyalloc installed, the capture benchmark (CuPy +
-# pyalloc against PyTorch), the old-vs-new build comparison, bench_gpu and bench_hooks. ~6 minutes
-# on one H200.
+# pyalloc against PyTorch), the old-vs-new build comparison, PyTorch on pyalloc (its GPU tests,
+# torch.empty cost, training comparison), bench_gpu and bench_hooks. ~12 minutes on one H200.
 #
 # Carry `.whl` (../shared/tools/gpu-wheels.sh) and, optionally:
 #   .cupy_tests/  CuPy test files to run with pyalloc (e.g. tests/cupy_tests/cuda_tests/test_graph.py
@@ -28,7 +28,7 @@ PYALLOC_CONF=expandable_segments:True timeout 200 python3 -m pytest -q -rfE -p n
     2>&1 | tail -12
 echo "== the rest of the suite on this machine's Python"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
-    $(for f in $GPU_TESTS; do echo --ignore=$f; done) tests 2>&1 | tail -4
+    $(for f in $GPU_TESTS tests/test_torch_gpu.py; do echo --ignore=$f; done) tests 2>&1 | tail -4
 if ls "$ROOT"/.cupy_tests/*.py >/dev/null 2>&1; then
     echo "== CuPy's own tests"
     (cd "$ROOT" && timeout 150 bash tools/run-cupy-tests.sh --baseline .cupy_tests/*.py -- --tb=line \
@@ -44,6 +44,11 @@ if [ -d "$ROOT/.oldsrc" ]; then
         > "$OUT/compare.json" 2>&1 && python3 -c "import json; d = json.load(open('$OUT/compare.json')); \
 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items() if k.startswith('new/old')})"
 fi
+echo "== PyTorch on pyalloc: GPU tests, torch.empty cost, training comparison"
+timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_torch_gpu.py 2>&1 | tail -7
+timeout 240 python3 bench/bench_torch_hook.py --rounds 9 --json "$OUT/torch_hook.json" 2>&1 | tail -3
+timeout 400 python3 bench/torch_train_compare.py --steps 200 --rounds 3 --json "$OUT/torch_train.json" \
+    2>&1 | tail -4
 echo "== bench_gpu"
 timeout 100 python3 bench/bench_gpu.py --rounds 41 2>&1 | tail -8
 echo "== bench_hooks (Numba and cuda.core through pyalloc against their own allocators)"
