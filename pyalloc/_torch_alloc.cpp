@@ -32,6 +32,11 @@
 
 namespace {
 std::atomic<const pyalloc_capi*> bound_table{nullptr};
+// Whether a failed allocation throws python_error (1) or a plain std::runtime_error (0, a
+// RuntimeError in Python). pyalloc.torch turns it on only for the torch versions whose
+// python_error it was checked against: a torch whose class had another layout would read the
+// wrong fields of ours, so an unknown version gets the plain error.
+std::atomic<int> carry_python_errors{0};
 }
 
 // Global namespace, this exact name and default visibility (its type_info is compared by name with
@@ -61,8 +66,10 @@ struct __attribute__((visibility("default"))) python_error : public std::excepti
     std::string text = std::string("pyalloc: ") + what + ": " + t->error_message();
     void *type = nullptr, *value = nullptr, *traceback = nullptr;
     t->take_error(&type, &value, &traceback);
-    if (type == nullptr) throw std::runtime_error(text);
-    throw python_error(type, value, traceback, text.c_str());
+    if (type != nullptr && carry_python_errors.load(std::memory_order_acquire))
+        throw python_error(type, value, traceback, text.c_str());
+    if (type != nullptr) t->release_error(type, value, traceback);
+    throw std::runtime_error(text);
 }
 
 static const pyalloc_capi* table_or_throw() {
@@ -81,6 +88,12 @@ PYALLOC_EXPORT int pyalloc_torch_bind(const pyalloc_capi* table) {
         return -1;
     bound_table.store(table, std::memory_order_release);
     return 0;
+}
+
+// on = 1: failed allocations carry pyalloc's exception to torch's Python binding (python_error);
+// 0: they throw std::runtime_error with the same message.
+PYALLOC_EXPORT void pyalloc_torch_carry_python_errors(int on) {
+    carry_python_errors.store(on ? 1 : 0, std::memory_order_release);
 }
 
 // Whether pyalloc_torch_bind succeeded (1) or not (0).

@@ -132,6 +132,8 @@ def allocator():
             from pyalloc import _capi
             _check_default_backend()
             _capi.set_exception_translator(_as_torch_error)
+            lib.pyalloc_torch_carry_python_errors.argtypes = (ctypes.c_int,)
+            lib.pyalloc_torch_carry_python_errors(int(python_error_layout_known(torch.__version__)))
             pluggable = torch.cuda.memory.CUDAPluggableAllocator(
                 library_path(), ALLOC_SYMBOL, FREE_SYMBOL)
             hooks = pluggable.allocator()
@@ -143,6 +145,16 @@ def allocator():
                 hooks.set_reset_fn(_address(lib, "pyalloc_torch_empty_cache"))
             _pluggable = pluggable
         return _pluggable
+
+
+def python_error_layout_known(version):
+    """Whether torch `version` (a string such as "2.11.0+cu130") is one whose python_error class
+    (torch/csrc/Exceptions.h: std::exception, then PyObject* type, value, traceback, then the
+    message) the library's out-of-memory path was checked against: torch 2.x (on the GPU machine,
+    2.11). For others a failed allocation raises a RuntimeError with pyalloc's message instead of
+    torch.OutOfMemoryError."""
+    major = str(version).split(".", 1)[0]
+    return major == "2"
 
 
 def _address(lib, name):

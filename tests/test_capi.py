@@ -226,6 +226,22 @@ def test_torch_library_exports_the_symbols_pytorch_loads():
         assert pt.symbol_address(name) == ctypes.cast(getattr(lib, name), ctypes.c_void_p).value != 0
 
 
+@pytest.mark.parametrize("version, known", [
+    ("2.11.0+cu130", True), ("2.0.1", True), ("1.13.1", False), ("3.0.0", False)])
+def test_torch_oom_carries_python_errors_only_for_checked_torch_versions(version, known):
+    import pyalloc.torch
+    assert pyalloc.torch.python_error_layout_known(version) is known
+
+
+def test_torch_library_exports_the_error_mode_switch():
+    import pyalloc.torch
+    lib = pyalloc.torch.library()
+    lib.pyalloc_torch_carry_python_errors.argtypes = (ctypes.c_int,)
+    lib.pyalloc_torch_carry_python_errors(0)
+    lib.pyalloc_torch_carry_python_errors(1)
+    assert pyalloc.torch.symbol_address("pyalloc_torch_carry_python_errors")
+
+
 def test_torch_library_is_bound_to_pyallocs_table():
     lib = torch_library()
     assert lib.pyalloc_torch_is_bound() == 1
