@@ -30,6 +30,10 @@ cdef class DeviceCachingAllocator:
     cdef EventQueues stream_events
     cdef size_t outstanding_events
     cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
+    # Stream lifetime: how many block stream uses (record_stream) name each stream handle, and the
+    # stream objects record_stream was given, kept alive while a use names them (see record_stream).
+    cdef unordered_map[uintptr_t, size_t] stream_use_counts
+    cdef dict stream_pins                             # handle -> stream object
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools

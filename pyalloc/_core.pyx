@@ -295,6 +295,7 @@ cdef class DeviceCachingAllocator:
         self.active_blocks = new ActiveMap()
         self.st.metadata_now = pyalloc_metadata_now
         self.oom_observers = []
+        self.stream_pins = {}
 
     def __init__(self, Backend backend not None):
         self.backend = backend
@@ -440,12 +441,21 @@ cdef class DeviceCachingAllocator:
         Raises ValueError for a pointer this allocator did not hand out or already freed.
         """
         release_pointer(self, device_pointer(ptr))
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def record_stream(self, ptr, stream, last_use=False):
         """Declare that the memory at `ptr` is also used on `stream`.
 
         When it is freed, it is not reused until the work queued on `stream` up to the free has
         completed. Using the allocation stream itself is a no-op, as is ptr 0.
+
+        A stream object (not an int handle) is kept alive by the allocator until the block's free
+        has recorded its event there: CuPy destroys a stream when its object dies, and recording
+        on a destroyed stream's handle crashes the driver (or, once the handle is handed to a new
+        stream, waits on the wrong work). The reference is dropped at the next record_stream,
+        free, process_events or empty_cache after that. An int handle must stay valid until the
+        free, as with PyTorch's ExternalStream.
 
         last_use=True, during a CUDA-graph capture, also says that the work captured on `stream`
         so far is the block's last use there: with graph_capture_last_use_marks:True (a pyalloc
@@ -459,6 +469,8 @@ cdef class DeviceCachingAllocator:
             return
         cdef Block* b
         cdef uintptr_t used
+        cdef bint pin = False
+        cdef bint is_object = type(stream) is not int and stream is not None
         lock_allocator(self)
         try:
             b = lookup_allocated(self, p)
@@ -468,6 +480,8 @@ cdef class DeviceCachingAllocator:
                         break
                 else:
                     b.stream_uses.push_back(s)
+                    self.stream_use_counts[s] += 1
+                    pin = is_object
                     if self.capture_routes:
                         # Its work up to now was only captured: after the capture these uses do
                         # not need events (PyTorch's block_to_cudagraph_stream_uses).
@@ -476,6 +490,10 @@ cdef class DeviceCachingAllocator:
                 mark_last_use(self, b, s)
         finally:
             self.mutex.unlock()
+        if pin and s not in self.stream_pins:
+            self.stream_pins[s] = stream
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def empty_cache(self, mempool_id=None):
         """Release cached segments that hold no live block back to the device.
@@ -496,6 +514,8 @@ cdef class DeviceCachingAllocator:
                 release_cached_blocks(self)
         finally:
             self.mutex.unlock()
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def process_events(self):
         """Poll outstanding cross-stream events now (malloc does this on its own)."""
@@ -504,6 +524,8 @@ cdef class DeviceCachingAllocator:
             process_events(self)
         finally:
             self.mutex.unlock()
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def _lock_held(self):
         """Whether any thread holds this allocator's lock now (for tests)."""
@@ -1364,7 +1386,7 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
                 and all_visited(visited, a.capture_uses[b].markers)):
             # The graph orders every later use on `stream` after the block's last uses: no event.
             a.deferred_blocks.erase(a.deferred_blocks.begin() + i)
-            b.stream_uses.clear()
+            forget_stream_uses(a, &b.stream_uses)
             free_completed(a, b)
         else:
             i += 1
@@ -1387,7 +1409,7 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
             best_index = i
     if best != NULL:
         a.deferred_blocks.erase(a.deferred_blocks.begin() + best_index)
-        best.stream_uses.clear()
+        forget_stream_uses(a, &best.stream_uses)
         best.stream = stream            # a whole segment moves to the stream that may use it
         free_completed(a, best)
     return 0
@@ -1409,6 +1431,8 @@ cdef void forget_capture_uses(DeviceCachingAllocator a, Block* b) noexcept:
                 break
         if not captured:
             kept.push_back(s)
+        else:
+            forget_stream_use(a, s)
     b.stream_uses.swap(kept)
     a.capture_uses.erase(it)
 
@@ -1734,6 +1758,50 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
             a.outstanding_events -= 1
         b.stream_uses.swap(streams)
         raise
+    # The events hold what is needed of these streams from now on: their uses are over.
+    forget_stream_uses(a, &streams)
+    return 0
+
+
+cdef inline void forget_stream_use(DeviceCachingAllocator a, uintptr_t stream) noexcept:
+    """One block stream use naming `stream` is over (its event is recorded, or it was dropped)."""
+    it = a.stream_use_counts.find(stream)
+    if it == a.stream_use_counts.end():
+        return
+    if deref(it).second <= 1:
+        a.stream_use_counts.erase(it)
+    else:
+        a.stream_use_counts[stream] = deref(it).second - 1
+
+
+cdef void forget_stream_uses(DeviceCachingAllocator a, vector[uintptr_t]* streams) noexcept:
+    """forget_stream_use for each of `streams`, which the caller then clears."""
+    cdef uintptr_t s
+    for s in deref(streams):
+        forget_stream_use(a, s)
+    streams.clear()
+
+
+cdef int prune_stream_pins(DeviceCachingAllocator a) except -1:
+    """Drop the stream objects that no block stream use names any more.
+
+    The handles are read into C before the lock and the objects dropped after it: no Python
+    object is made or freed under the lock (dropping a CuPy stream destroys it, and a collection
+    run there could re-enter the allocator)."""
+    cdef list handles = list(a.stream_pins)
+    cdef vector[uintptr_t] c_handles
+    cdef vector[char] unused
+    cdef size_t i
+    for h in handles:
+        c_handles.push_back(<uintptr_t>h)
+    unused.resize(c_handles.size(), 0)
+    lock_allocator(a)
+    for i in range(c_handles.size()):
+        unused[i] = a.stream_use_counts.count(c_handles[i]) == 0
+    a.mutex.unlock()
+    for i in range(c_handles.size()):
+        if unused[i]:
+            a.stream_pins.pop(handles[i], None)
     return 0
 
 

@@ -8,6 +8,11 @@ It is a real backend, not a test double: `pyalloc replay` and `pyalloc tune` run
   queued with `place_segments` (how a replay puts segments where PyTorch's driver put them);
 * streams with pending work: `launch(stream)` queues a unit of work, `complete(stream)` finishes
   queued work in order, `synchronize()` finishes everything;
+* stream lifetime as the driver has it: `destroy_stream(stream)` (cuStreamDestroy) returns at once
+  and the work already queued there still runs to completion (events recorded before stay valid,
+  `synchronize()` finishes that work), but the handle is dead: recording an event on it, launching
+  or waiting on it is CUDA_ERROR_INVALID_HANDLE (where the real driver may crash instead), and the
+  next `create_stream()` hands the same handle out again, for an unrelated stream;
 * events that complete only when the work queued on their stream before the record completes;
 * cross-stream waits: work launched on a stream after `wait_event` cannot complete before the event;
 * virtual memory for expandable segments: address-space reservations (deterministic, or queued with
@@ -83,6 +88,9 @@ cdef size_t MiB = 1 << 20
 cdef size_t GiB = 1 << 30
 cdef size_t TOP_DOWN_RANGE = <size_t>1 << 40    # top_down places segments below base_address + this
 cdef size_t GRANULE = 2 * MiB      # mapping granularity of the simulated virtual memory
+# Work still queued on a destroyed stream runs on under an internal handle from here up (no
+# handle a caller uses), so that its events complete as that work does, whoever gets the handle.
+cdef uintptr_t ORPHAN_STREAMS = <uintptr_t>1 << 63
 
 
 cdef struct Barrier:
@@ -213,6 +221,9 @@ cdef class SimDevice(Backend):
     cdef dict _reservation_placements                  # bytes -> list of queued base addresses
     cdef readonly uintptr_t reservation_base
     cdef uintptr_t _next_stream
+    cdef unordered_set[uintptr_t] _destroyed_streams    # handles destroyed and not handed out again
+    cdef vector[uintptr_t] _reusable_streams           # the same, most recently destroyed last
+    cdef uintptr_t _next_orphan                        # internal handles of destroyed streams' work
     cdef uintptr_t _next_event
     cdef uint64_t _seq                                 # orders event records and waits
     cdef public dict counters
@@ -247,6 +258,7 @@ cdef class SimDevice(Backend):
         self.reservation_base = 0x200000000000
         self._pending_placements = 0
         self._next_stream = 1
+        self._next_orphan = ORPHAN_STREAMS
         self._next_event = 1
         self.counters = dict.fromkeys(
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
@@ -606,11 +618,61 @@ cdef class SimDevice(Backend):
     # ---------------------------------------------------------------- streams and work
 
     def create_stream(self):
-        """A new stream handle (a positive int; 0 is the default stream)."""
-        cdef uintptr_t s = self._next_stream
-        self._next_stream += 1
+        """A new stream handle (a positive int; 0 is the default stream). As the driver does, the
+        handle of the most recently destroyed stream is handed out again first."""
+        cdef uintptr_t s
+        if not self._reusable_streams.empty():
+            s = self._reusable_streams.back()
+            self._reusable_streams.pop_back()
+            self._destroyed_streams.erase(s)
+        else:
+            s = self._next_stream
+            self._next_stream += 1
         self._streams[s] = StreamState(0, 0)
         return s
+
+    def destroy_stream(self, uintptr_t stream):
+        """Destroy `stream` (cuStreamDestroy): returns at once; the work queued on it still
+        completes (on synchronize(), or when an event recorded before is synchronized), but the
+        handle is dead until create_stream() hands it out again. CudaError INVALID_HANDLE for
+        stream 0, a destroyed stream or one in a capture (the driver refuses those too)."""
+        self._check_stream_alive(stream, "cuStreamDestroy")
+        if stream == 0 or stream >= ORPHAN_STREAMS or (self._live and stream in self._capture_of):
+            raise CudaError("cuStreamDestroy", 400, "CUDA_ERROR_INVALID_HANDLE",
+                            f"SimDevice: stream {stream} cannot be destroyed (the legacy stream, or "
+                            "a stream in a capture)")
+        cdef uintptr_t orphan = self._next_orphan
+        self._next_orphan += 1
+        cdef StreamState state = self._streams[stream]
+        self._streams.erase(stream)
+        self._streams[orphan] = state
+        if self._barriers.count(stream):
+            self._barriers[orphan] = self._barriers[stream]
+            self._barriers.erase(stream)
+        # Events recorded on it and waits on it elsewhere now follow the orphaned work.
+        cdef pair[uintptr_t, EventState] ev
+        for ev in self._events:
+            if ev.second.stream == stream:
+                self._events[ev.first].stream = orphan
+        cdef pair[uintptr_t, deque[Barrier]] queue
+        cdef size_t i
+        for queue in self._barriers:
+            for i in range(queue.second.size()):
+                if queue.second[i].stream == stream:
+                    self._barriers[queue.first][i].stream = orphan
+        self._destroyed_streams.insert(stream)
+        self._reusable_streams.push_back(stream)
+
+    def is_destroyed(self, uintptr_t stream):
+        """True when `stream` was destroyed and its handle not handed out again."""
+        return self._destroyed_streams.count(stream) != 0
+
+    cdef inline int _check_stream_alive(self, uintptr_t stream, str call) except -1:
+        if not self._destroyed_streams.empty() and self._destroyed_streams.count(stream):
+            raise CudaError(call, 400, "CUDA_ERROR_INVALID_HANDLE",
+                            f"SimDevice: stream {stream} was destroyed (cuStreamDestroy); a "
+                            "driver may crash on such a handle")
+        return 0
 
     cdef StreamState* _stream(self, uintptr_t stream):
         # operator[] default-constructs: every int is a usable stream handle.
@@ -623,6 +685,7 @@ cdef class SimDevice(Backend):
         (worth `count` units of work when the graph is launched, touching the device pointers in
         `uses`) and returns the node's handle. Outside capture `uses` is ignored.
         """
+        self._check_stream_alive(stream, "cuLaunchKernel")
         if self._live and stream in self._capture_of:
             return self._capture_launch(stream, count, uses)
         cdef StreamState* s = self._stream(stream)
@@ -723,6 +786,7 @@ cdef class SimDevice(Backend):
 
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         self.counters["stream_synchronize"] += 1
+        self._check_stream_alive(stream, "cuStreamSynchronize")
         if self._live:
             self._stream_sync_in_capture(stream)
         self._finish(stream, self._stream(stream).launched, self._seq + 1)
@@ -745,6 +809,7 @@ cdef class SimDevice(Backend):
 
     cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
         self.counters["event_record"] += 1
+        self._check_stream_alive(stream, "cuEventRecord")
         cdef EventState* e = self._event(event)
         if self._live and stream in self._capture_of:
             return self._capture_record(event, e, stream)
@@ -823,6 +888,7 @@ cdef class SimDevice(Backend):
         stream's terminals; an ordinary event is an isolation error, unless `external`
         (cudaEventWaitExternal), which adds an event-wait node. Outside capture `external` is
         ignored."""
+        self._check_stream_alive(stream, "cuStreamWaitEvent")
         cdef EventState* e = self._event(event)
         if e.captured or (self._live and stream in self._capture_of):
             self._capture_wait(stream, event, e, external)
@@ -845,6 +911,7 @@ cdef class SimDevice(Backend):
 
     cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
         self.counters["capture_begin"] += 1
+        self._check_stream_alive(stream, "cuStreamBeginCapture")
         if mode < CAPTURE_GLOBAL or mode > CAPTURE_RELAXED:
             raise ValueError(f"SimDevice: capture mode must be CAPTURE_GLOBAL (0), CAPTURE_THREAD_LOCAL "
                              f"(1) or CAPTURE_RELAXED (2), got {mode}")
@@ -940,6 +1007,7 @@ cdef class SimDevice(Backend):
     cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
                           vector[uintptr_t]* terminals) except -1:
         self.counters["capture_info"] += 1
+        self._check_stream_alive(stream, "cuStreamGetCaptureInfo")
         if not self._live:
             return 0
         cap = self._capture_of.get(stream)

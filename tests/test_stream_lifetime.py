@@ -1,0 +1,208 @@
+"""Stream lifetime (issue 15): streams are destroyed while the allocator still holds blocks that
+name them, and the driver hands a destroyed stream's handle to the next new stream.
+
+SimDevice models both as the driver does (destroy_stream: the queued work still runs, the handle
+is dead, create_stream hands it out again), so the CuPy case that crashed on the GPU (record_stream
+on a stream, the stream object dropped, then the free) runs here as a CPU test. SimStream plays a
+CuPy Stream: destroying its stream when the object dies. The GPU half is tests/test_stream_lifetime_gpu.py.
+"""
+import gc
+import sys
+import weakref
+
+import pytest
+
+from pyalloc import Buffer, CachingAllocator, CudaError, SimDevice
+
+KiB = 1 << 10
+
+
+class SimStream:
+    """A stream object that destroys its stream when it dies, as cupy.cuda.Stream does."""
+
+    def __init__(self, sim):
+        self.sim = sim
+        self.ptr = sim.create_stream()
+
+    def __del__(self):
+        self.sim.destroy_stream(self.ptr)
+
+
+def make():
+    sim = SimDevice(1 << 30)
+    return sim, CachingAllocator(backend=sim, config="")
+
+
+# ------------------------------------------------------------------ the simulated driver
+
+def test_sim_recording_an_event_on_a_destroyed_stream_is_invalid_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE") as err:
+        sim.record_event(s)
+    assert err.value.call == "cuEventRecord" and f"stream {s} was destroyed" in str(err.value)
+
+
+def test_sim_launching_on_a_destroyed_stream_is_invalid_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE"):
+        sim.launch(s)
+
+
+def test_sim_destroying_a_stream_twice_is_invalid_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE"):
+        sim.destroy_stream(s)
+
+
+def test_sim_the_legacy_stream_cannot_be_destroyed():
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE"):
+        SimDevice().destroy_stream(0)
+
+
+def test_sim_a_new_stream_gets_the_destroyed_streams_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    assert sim.create_stream() == s and not sim.is_destroyed(s)
+
+
+def test_sim_work_queued_before_destroy_still_completes_and_only_then_its_events():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.launch(s)
+    event = sim.record_event(s)
+    sim.destroy_stream(s)
+    reused = sim.create_stream()
+    assert reused == s and sim.pending(reused) == 0      # the new stream has none of that work
+    sim.complete(reused)
+    assert not sim.event_done(event)                     # completing the new stream is not enough
+    sim.synchronize()
+    assert sim.event_done(event)
+
+
+def test_sim_a_wait_on_an_event_of_a_destroyed_stream_follows_its_work():
+    sim = SimDevice()
+    s, other = sim.create_stream(), sim.create_stream()
+    sim.launch(s)
+    event = sim.record_event(s)
+    sim.wait_event(other, event)
+    sim.launch(other)
+    sim.destroy_stream(s)
+    sim.create_stream()
+    sim.complete(other)                                  # finishes the awaited work first
+    assert sim.event_done(event)
+
+
+# ------------------------------------------------------------------ the allocator
+
+def test_free_after_the_record_stream_stream_object_died_records_on_a_live_stream():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    sim.launch(s2.ptr)                          # work on s2 that uses p
+    alloc.record_stream(p, s2)
+    handle = s2.ptr
+    del s2
+    alloc.free(p)                               # used to record on the destroyed handle
+    assert alloc.malloc(4 * KiB) != p           # p waits for s2's work
+    sim.synchronize()
+    assert sim.is_destroyed(handle)             # the stream died once its event was recorded
+    assert alloc.malloc(4 * KiB) == p
+
+
+def test_the_allocator_releases_the_stream_object_once_the_event_is_recorded():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    alloc.record_stream(p, s2)
+    gone = weakref.ref(s2)
+    del s2
+    assert gone() is not None                   # kept: a block still names it
+    alloc.free(p)
+    assert gone() is None
+
+
+def test_a_stream_named_by_two_blocks_is_kept_until_both_are_freed():
+    sim, alloc = make()
+    p, q = alloc.malloc(4 * KiB), alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    alloc.record_stream(p, s2)
+    alloc.record_stream(q, s2)
+    gone = weakref.ref(s2)
+    del s2
+    alloc.free(p)
+    assert gone() is not None
+    alloc.free(q)
+    assert gone() is None
+
+
+def test_a_recycled_handle_does_not_release_a_block_waiting_on_the_dead_streams_work():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    sim.launch(s2.ptr)
+    alloc.record_stream(p, s2)
+    handle = s2.ptr
+    del s2
+    alloc.free(p)
+    s3 = SimStream(sim)
+    assert s3.ptr == handle                     # the driver recycles the handle
+    sim.complete(s3.ptr)                        # the new stream's work says nothing of s2's
+    alloc.process_events()
+    assert alloc.malloc(4 * KiB) != p
+    sim.synchronize()
+    assert alloc.malloc(4 * KiB) == p
+
+
+def test_a_buffer_collected_after_its_record_stream_stream_died_frees_without_an_error(monkeypatch):
+    sim, alloc = make()
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    buf = Buffer(alloc, 4 * KiB)
+    ptr = buf.ptr
+    s2 = SimStream(sim)
+    alloc.record_stream(ptr, s2)
+    del s2
+    del buf                                     # the CuPy hook's path: Buffer.__dealloc__ frees
+    gc.collect()
+    assert unraisable == []
+    assert alloc.memory_allocated() == 0
+    sim.synchronize()
+    assert alloc.malloc(4 * KiB) == ptr
+
+
+def test_two_hundred_streams_made_and_dropped_in_turn_each_guard_their_own_block():
+    sim, alloc = make()
+    handles = set()
+    held = []
+    for _ in range(200):
+        s = SimStream(sim)
+        handles.add(s.ptr)
+        p = alloc.malloc(4 * KiB)
+        sim.launch(s.ptr)
+        alloc.record_stream(p, s)
+        del s
+        alloc.free(p)
+        held.append(p)
+    # Each stream died once its event was recorded, so the driver handed one handle round.
+    assert len(handles) == 1
+    assert len(set(held)) == 200                # no block was reused while its work was pending
+    sim.synchronize()
+    alloc.process_events()
+    assert alloc.memory_stats()["active_bytes.all.current"] == 0
+
+
+def test_an_int_handle_is_not_kept_and_needs_no_object():
+    sim, alloc = make()
+    s = sim.create_stream()
+    p = alloc.malloc(4 * KiB)
+    alloc.record_stream(p, s)
+    alloc.free(p)
+    sim.synchronize()
+    assert alloc.malloc(4 * KiB) == p
