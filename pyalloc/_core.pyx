@@ -55,7 +55,7 @@ from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, ma
                                   free_segment_structs)
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
 from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
-from pyalloc.errors import OutOfMemoryError, format_bytes
+from pyalloc.errors import OutOfMemoryError, format_bytes, AlreadyFreedError, NotAllocatedError
 
 
 MIN_BLOCK_SIZE = kMinBlockSize
@@ -438,7 +438,8 @@ cdef class DeviceCachingAllocator:
     def free(self, ptr):
         """Return the memory at `ptr` (from malloc) to the cache. free(0) does nothing.
 
-        Raises ValueError for a pointer this allocator did not hand out or already freed.
+        Raises NotAllocatedError for a pointer this allocator did not hand out, AlreadyFreedError
+        for one it already freed (both are PointerError, a ValueError).
         """
         release_pointer(self, device_pointer(ptr))
         if self.stream_pins:
@@ -1187,13 +1188,13 @@ cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint kn
         for b in blocks:
             if b.mapped and b.ptr <= ptr < b.ptr + b.size:
                 if b.allocated:
-                    raise ValueError(f"pointer {ptr:#x} is inside the allocation at {b.ptr:#x} "
-                                     f"({b.size} bytes), not its start")
+                    raise NotAllocatedError(f"pointer {ptr:#x} is inside the allocation at {b.ptr:#x} "
+                                            f"({b.size} bytes), not its start", ptr, b.ptr)
                 known = True
                 break
     if known:
-        raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
-    raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
+        raise AlreadyFreedError(f"pointer {ptr:#x} was already freed (double free)", ptr)
+    raise NotAllocatedError(f"pointer {ptr:#x} was not allocated by this allocator", ptr)
 
 
 # ------------------------------------------------------------------------------- routing
