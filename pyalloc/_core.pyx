@@ -306,6 +306,15 @@ cdef class DeviceCachingAllocator:
         cdef vector[Block*] blocks
         cdef Block* b
         cdef pair[MempoolId, PrivatePool*] entry
+        if not pyalloc_is_finalizing():
+            # Events are driver objects of the backend's context: give them back (at interpreter
+            # exit the context's teardown reclaims them, as it does the segments).
+            try:
+                destroy_events(self, True)
+            except RuntimeError:
+                # CudaError or a closed CudaDevice: the context that owned them is gone and took
+                # them with it; a destructor has no caller to report to.
+                pass
         collect_blocks(self, &blocks)
         for b in blocks:
             Py_XDECREF(<PyObject*>b.py_address)
@@ -502,6 +511,7 @@ cdef class DeviceCachingAllocator:
         With no id: every unsplit cached segment of the default pools (skipped, without an error,
         while any route into a private pool is active, as PyTorch since #158152) and of every
         freeable private pool. With a private pool's id: that pool's, if it is freeable.
+        Idle cross-stream events (the event pool) are destroyed too; PyTorch keeps them.
         """
         cdef MempoolId pid
         cdef bint one_pool = mempool_id is not None and tuple(mempool_id) != (0, 0)
@@ -513,6 +523,7 @@ cdef class DeviceCachingAllocator:
                 release_private_pools(self, True, pid)
             else:
                 release_cached_blocks(self)
+            destroy_events(self, False)
         finally:
             self.mutex.unlock()
         if self.stream_pins:
@@ -1761,6 +1772,28 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
         raise
     # The events hold what is needed of these streams from now on: their uses are over.
     forget_stream_uses(a, &streams)
+    return 0
+
+
+cdef int destroy_events(DeviceCachingAllocator a, bint outstanding) except -1:
+    """Destroy the idle events of the event pool and, with `outstanding`, the events blocks still
+    wait on (teardown only: those blocks are never freed then). An event whose destroy fails is
+    not used again."""
+    cdef uintptr_t event
+    cdef EventQueues.iterator it
+    if outstanding:
+        it = a.stream_events.begin()
+        while it != a.stream_events.end():
+            while not deref(it).second.empty():
+                event = deref(it).second.front().first
+                deref(it).second.pop_front()
+                a.outstanding_events -= 1
+                a.backend.event_destroy(event)
+            it = a.stream_events.erase(it)
+    while not a.event_pool.empty():
+        event = a.event_pool.back()
+        a.event_pool.pop_back()
+        a.backend.event_destroy(event)
     return 0
 
 

@@ -7,6 +7,8 @@ on a stream, the stream object dropped, then the free) runs here as a CPU test. 
 CuPy Stream: destroying its stream when the object dies. The GPU half is tests/test_stream_lifetime_gpu.py.
 """
 import gc
+import subprocess
+import textwrap
 import sys
 import weakref
 
@@ -206,3 +208,64 @@ def test_an_int_handle_is_not_kept_and_needs_no_object():
     alloc.free(p)
     sim.synchronize()
     assert alloc.malloc(4 * KiB) == p
+
+
+# ------------------------------------------------------------------ events are given back
+
+def allocator_with_an_event(pending):
+    """An allocator on a fresh SimDevice that has made one cross-stream event: still awaited by a
+    freed block (pending) or back in the event pool."""
+    sim, alloc = make()
+    s = sim.create_stream()
+    p = alloc.malloc(4 * KiB)
+    alloc.record_stream(p, s)
+    sim.launch(s)
+    alloc.free(p)
+    if not pending:
+        sim.synchronize()
+        alloc.process_events()
+    assert sim.counters["event_create"] == 1
+    return sim, alloc
+
+
+@pytest.mark.parametrize("pending", [False, True], ids=["idle", "pending"])
+def test_an_allocator_destroys_its_events_when_it_dies(pending):
+    sim, alloc = allocator_with_an_event(pending)
+    del alloc
+    gc.collect()
+    assert sim.counters["event_destroy"] == 1
+
+
+def test_empty_cache_destroys_the_idle_events():
+    sim, alloc = allocator_with_an_event(pending=False)
+    alloc.empty_cache()
+    assert sim.counters["event_destroy"] == 1
+    p = alloc.malloc(4 * KiB)                   # a later free makes a new one
+    s = sim.create_stream()
+    alloc.record_stream(p, s)
+    alloc.free(p)
+    assert sim.counters["event_create"] == 2
+
+
+def test_empty_cache_keeps_the_events_blocks_still_wait_on():
+    sim, alloc = allocator_with_an_event(pending=True)
+    alloc.empty_cache()                          # waits for them (synchronize_and_free_events)
+    assert alloc.memory_stats()["active_bytes.all.current"] == 0
+    assert sim.counters["event_destroy"] == 1    # then idle, so destroyed
+
+
+def test_an_allocator_alive_at_interpreter_exit_with_events_exits_cleanly(tmp_path):
+    code = textwrap.dedent("""
+        from pyalloc import CachingAllocator, SimDevice
+        sim = SimDevice(1 << 30)
+        alloc = CachingAllocator(backend=sim, config="")
+        s = sim.create_stream()
+        p = alloc.malloc(4096)
+        alloc.record_stream(p, s)
+        sim.launch(s)
+        alloc.free(p)
+        keep = [alloc]
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0 and out.stderr == "", (out.returncode, out.stderr)
