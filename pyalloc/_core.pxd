@@ -30,6 +30,8 @@ cdef class DeviceCachingAllocator:
     cdef EventQueues stream_events
     cdef size_t outstanding_events
     cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
+    cdef unordered_map[int, vector[uintptr_t]] foreign_event_pools   # the same, by other device
+    cdef unordered_map[uintptr_t, int] foreign_event_devices         # event -> its other device
     # Stream lifetime: how many block stream uses (record_stream) name each stream handle, and the
     # stream objects record_stream was given, kept alive while a use names them (see record_stream).
     cdef unordered_map[uintptr_t, size_t] stream_use_counts

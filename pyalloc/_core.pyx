@@ -1742,9 +1742,15 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
     cdef uintptr_t event
     cdef uintptr_t stream
     cdef size_t done = 0
+    cdef int device
     try:
         for stream in streams:
-            if a.event_pool.empty():
+            # As PyTorch: the event is made and recorded on the stream's own device (an event
+            # and a stream of different contexts cannot be recorded together).
+            device = a.backend.stream_device(stream)
+            if device != a.backend.device:
+                event = take_foreign_event(a, device)
+            elif a.event_pool.empty():
                 a.backend.event_create(&event)
             else:
                 event = a.event_pool.back()
@@ -1752,7 +1758,7 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
             try:
                 a.backend.event_record(event, stream)
             except BaseException:
-                a.event_pool.push_back(event)
+                return_event(a, event)
                 raise
             b.event_count += 1
             a.stream_events[stream].push_back(EventEntry(event, b))
@@ -1762,7 +1768,7 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
         # Undo: the events recorded so far are the newest of their streams' queues.
         for i in range(done):
             stream = streams[i]
-            a.event_pool.push_back(a.stream_events[stream].back().first)
+            return_event(a, a.stream_events[stream].back().first)
             a.stream_events[stream].pop_back()
             if a.stream_events[stream].empty():
                 a.stream_events.erase(stream)
@@ -1788,12 +1794,21 @@ cdef int destroy_events(DeviceCachingAllocator a, bint outstanding) except -1:
                 event = deref(it).second.front().first
                 deref(it).second.pop_front()
                 a.outstanding_events -= 1
+                a.foreign_event_devices.erase(event)
                 a.backend.event_destroy(event)
             it = a.stream_events.erase(it)
     while not a.event_pool.empty():
         event = a.event_pool.back()
         a.event_pool.pop_back()
         a.backend.event_destroy(event)
+    cdef unordered_map[int, vector[uintptr_t]].iterator pool = a.foreign_event_pools.begin()
+    while pool != a.foreign_event_pools.end():
+        while not deref(pool).second.empty():
+            event = deref(pool).second.back()
+            deref(pool).second.pop_back()
+            a.foreign_event_devices.erase(event)
+            a.backend.event_destroy(event)
+        pool = a.foreign_event_pools.erase(pool)
     return 0
 
 
@@ -1880,8 +1895,31 @@ cdef int process_events(DeviceCachingAllocator a) except -1:
     return 0
 
 
-cdef inline void event_done(DeviceCachingAllocator a, uintptr_t event, Block* b) noexcept:
+cdef uintptr_t take_foreign_event(DeviceCachingAllocator a, int device) except? 0:
+    """An idle event of device `device` (not this allocator's), made when none is pooled."""
+    cdef uintptr_t event
+    pool = a.foreign_event_pools.find(device)
+    if pool != a.foreign_event_pools.end() and not deref(pool).second.empty():
+        event = deref(pool).second.back()
+        deref(pool).second.pop_back()
+    else:
+        a.backend.event_create_on(device, &event)
+        a.foreign_event_devices[event] = device
+    return event
+
+
+cdef inline void return_event(DeviceCachingAllocator a, uintptr_t event) noexcept:
+    """Put an idle event back in its device's pool."""
+    if not a.foreign_event_devices.empty():
+        it = a.foreign_event_devices.find(event)
+        if it != a.foreign_event_devices.end():
+            a.foreign_event_pools[deref(it).second].push_back(event)
+            return
     a.event_pool.push_back(event)
+
+
+cdef inline void event_done(DeviceCachingAllocator a, uintptr_t event, Block* b) noexcept:
+    return_event(a, event)
     a.outstanding_events -= 1
     b.event_count -= 1
     if b.event_count == 0:

@@ -13,6 +13,12 @@ It is a real backend, not a test double: `pyalloc replay` and `pyalloc tune` run
   `synchronize()` finishes that work), but the handle is dead: recording an event on it, launching
   or waiting on it is CUDA_ERROR_INVALID_HANDLE (where the real driver may crash instead), and the
   next `create_stream()` hands the same handle out again, for an unrelated stream;
+* devices of streams and events: streams made by a SimDevice of ordinal d > 0 have handles in
+  [d * 2**40, (d + 1) * 2**40), so any SimDevice can tell a stream of another device (smaller
+  handles are its own); an event belongs to the device it was created for (`event_create_on`),
+  and recording it on a stream of another device is CUDA_ERROR_INVALID_HANDLE, as cuEventRecord
+  refuses an event and a stream of different contexts. (Work on another device's stream is what
+  is launched on it through this SimDevice: each SimDevice keeps the stream states it is told of.)
 * events that complete only when the work queued on their stream before the record completes;
 * cross-stream waits: work launched on a stream after `wait_event` cannot complete before the event;
 * virtual memory for expandable segments: address-space reservations (deterministic, or queued with
@@ -91,6 +97,9 @@ cdef size_t GRANULE = 2 * MiB      # mapping granularity of the simulated virtua
 # Work still queued on a destroyed stream runs on under an internal handle from here up (no
 # handle a caller uses), so that its events complete as that work does, whoever gets the handle.
 cdef uintptr_t ORPHAN_STREAMS = <uintptr_t>1 << 63
+# Streams of device d (d > 0) are numbered from d * DEVICE_STREAMS up; handles below
+# DEVICE_STREAMS (0, the per-thread handles, small ints tests use) are every device's own.
+cdef uintptr_t DEVICE_STREAMS = <uintptr_t>1 << 40
 
 
 cdef struct Barrier:
@@ -112,6 +121,7 @@ cdef struct EventState:
     bint recorded
     uint64_t seq           # when it was last recorded
     bint captured          # last recorded in a capture: SimDevice._event_capture holds its nodes
+    int device             # the device it was created for
 
 
 # Stream capture. None of this is on a path that runs while no capture is underway: those paths
@@ -257,7 +267,7 @@ cdef class SimDevice(Backend):
         self._reservation_placements = {}
         self.reservation_base = 0x200000000000
         self._pending_placements = 0
-        self._next_stream = 1
+        self._next_stream = 1 + <uintptr_t>device * DEVICE_STREAMS if 0 < device < 4096 else 1
         self._next_orphan = ORPHAN_STREAMS
         self._next_event = 1
         self.counters = dict.fromkeys(
@@ -797,9 +807,27 @@ cdef class SimDevice(Backend):
     cdef int event_create(self, uintptr_t* event) except -1:
         self.counters["event_create"] += 1
         event[0] = self._next_event
-        self._events[self._next_event] = EventState(0, 0, False, 0, False)
+        self._events[self._next_event] = EventState(0, 0, False, 0, False, self.device)
         self._next_event += 1
         return BACKEND_OK
+
+    cdef int event_create_on(self, int device, uintptr_t* event) except -1:
+        self.event_create(event)
+        self._events[event[0]].device = device
+        return BACKEND_OK
+
+    cdef int stream_device(self, uintptr_t stream) except -2:
+        if stream < DEVICE_STREAMS or stream >= ORPHAN_STREAMS:
+            return self.device
+        return <int>(stream // DEVICE_STREAMS)
+
+    def device_of_stream(self, uintptr_t stream):
+        """The ordinal of the device `stream` belongs to (see the module doc)."""
+        return self.stream_device(stream)
+
+    def device_of_event(self, uintptr_t event):
+        """The ordinal of the device `event` was created for."""
+        return self._event(event).device
 
     cdef EventState* _event(self, uintptr_t event) except NULL:
         cdef unordered_map[uintptr_t, EventState].iterator it = self._events.find(event)
@@ -811,6 +839,11 @@ cdef class SimDevice(Backend):
         self.counters["event_record"] += 1
         self._check_stream_alive(stream, "cuEventRecord")
         cdef EventState* e = self._event(event)
+        if e.device != self.stream_device(stream):
+            raise CudaError("cuEventRecord", 400, "CUDA_ERROR_INVALID_HANDLE",
+                            f"SimDevice: event {event} of device {e.device} cannot be recorded on "
+                            f"stream {stream:#x} of device {self.stream_device(stream)} (an event "
+                            "and its stream must share a context)")
         if self._live and stream in self._capture_of:
             return self._capture_record(event, e, stream)
         if e.captured:

@@ -269,3 +269,52 @@ def test_an_allocator_alive_at_interpreter_exit_with_events_exits_cleanly(tmp_pa
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert out.returncode == 0 and out.stderr == "", (out.returncode, out.stderr)
+
+
+# ------------------------------------------------------------------ streams of another device
+
+def two_devices():
+    sim0 = SimDevice(1 << 30, device=0)
+    sim1 = SimDevice(1 << 30, device=1, base_address=0x7F0000000000 + (1 << 40))
+    return sim0, CachingAllocator(0, backend=sim0, config=""), sim1
+
+
+def test_sim_streams_made_by_device_one_belong_to_device_one():
+    sim0, _, sim1 = two_devices()
+    s1 = sim1.create_stream()
+    assert sim0.device_of_stream(s1) == 1 and sim1.device_of_stream(s1) == 1
+    assert sim0.device_of_stream(sim0.create_stream()) == 0 and sim0.device_of_stream(0) == 0
+
+
+def test_sim_an_event_cannot_be_recorded_on_a_stream_of_another_device():
+    sim0, _, sim1 = two_devices()
+    event = sim0.create_event()
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE") as err:
+        sim0.record_event(sim1.create_stream(), event)
+    assert "of device 0 cannot be recorded on" in str(err.value)
+
+
+def test_a_free_used_on_another_devices_stream_records_an_event_of_that_device():
+    sim0, alloc, sim1 = two_devices()
+    s1 = sim1.create_stream()
+    p = alloc.malloc(4 * KiB)
+    alloc.record_stream(p, s1)
+    sim0.launch(s1)                             # the work on device 1's stream, as sim0 sees it
+    alloc.free(p)                               # used to record device 0's event on it
+    assert alloc.malloc(4 * KiB) != p
+    sim0.complete(s1)
+    assert alloc.malloc(4 * KiB) == p
+
+
+def test_events_of_another_device_are_pooled_apart_and_destroyed_with_the_allocator():
+    sim0, alloc, sim1 = two_devices()
+    s0, s1 = sim0.create_stream(), sim1.create_stream()
+    for stream in (s1, s1, s0):
+        p = alloc.malloc(4 * KiB)
+        alloc.record_stream(p, stream)
+        alloc.free(p)
+        alloc.process_events()                  # no work queued: the event is idle again
+    assert sim0.counters["event_create"] == 2   # one per device: each reused from its own pool
+    del alloc
+    gc.collect()
+    assert sim0.counters["event_destroy"] == 2
