@@ -29,6 +29,7 @@ an exception object is built) may re-enter free() on the same thread.
 from libc.stdint cimport uintptr_t, int64_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 from libcpp.pair cimport pair
 cimport cython
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
@@ -296,6 +297,7 @@ cdef class DeviceCachingAllocator:
         self.st.metadata_now = pyalloc_metadata_now
         self.oom_observers = []
         self.stream_pins = {}
+        self.allocation_stream_objects = {}
 
     def __init__(self, Backend backend not None):
         self.backend = backend
@@ -351,6 +353,25 @@ cdef class DeviceCachingAllocator:
 
     cdef int try_allocate_block(self, size_t size, uintptr_t stream, Block** out) except -1:
         return try_allocate(self, size, stream, out)
+
+    cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1:
+        """Keep `stream_object` (the stream of handle `stream`) alive while this allocator holds
+        blocks of that stream: a stream destroyed with work queued still runs it, and the driver
+        hands its handle to the next new stream at once, which would then be given the blocks
+        cached for the old one while that work may still use them. Released by empty_cache once
+        no block of the stream is left. (Stream 0 never dies; keeping an object of the other
+        never-dying handles, CUDA's 1 and 2, costs nothing.)"""
+        if stream == 0:
+            return 0
+        cdef bint kept
+        lock_allocator(self)
+        kept = self.allocation_streams_kept.count(stream) != 0
+        if not kept:
+            self.allocation_streams_kept.insert(stream)
+        self.mutex.unlock()
+        if not kept:
+            self.allocation_stream_objects[stream] = stream_object
+        return 0
 
     cdef raise_oom(self, size_t requested):
         raise_out_of_memory(self, requested)
@@ -439,9 +460,12 @@ cdef class DeviceCachingAllocator:
         Raises OutOfMemoryError when neither the cache nor the device can provide the memory,
         TypeError/ValueError for a bad size or stream (state unchanged).
         """
-        cdef Block* b = allocate_block(self, request_size(nbytes), stream_handle(stream))
+        cdef uintptr_t s = stream_handle(stream)
+        cdef Block* b = allocate_block(self, request_size(nbytes), s)
         if b == NULL:
             return 0
+        if type(stream) is not int and s != 0 and stream is not None:
+            self.keep_allocation_stream(s, stream)
         return address_object(b)
 
     def free(self, ptr):
@@ -526,6 +550,8 @@ cdef class DeviceCachingAllocator:
             destroy_events(self, False)
         finally:
             self.mutex.unlock()
+        if self.allocation_stream_objects:
+            release_allocation_streams(self)
         if self.stream_pins:
             prune_stream_pins(self)
 
@@ -1831,6 +1857,34 @@ cdef void forget_stream_uses(DeviceCachingAllocator a, vector[uintptr_t]* stream
     streams.clear()
 
 
+cdef int release_allocation_streams(DeviceCachingAllocator a) except -1:
+    """Drop the allocation stream objects (keep_allocation_stream) of which no block is left.
+    As prune_stream_pins: handles read before the lock, objects dropped after it."""
+    cdef list handles = list(a.allocation_stream_objects)
+    cdef vector[uintptr_t] c_handles
+    cdef vector[char] unused
+    cdef vector[Block*] blocks
+    cdef unordered_set[uintptr_t] in_use
+    cdef Block* b
+    cdef size_t i
+    for h in handles:
+        c_handles.push_back(<uintptr_t>h)
+    unused.resize(c_handles.size(), 0)
+    lock_allocator(a)
+    collect_blocks(a, &blocks)
+    for b in blocks:
+        in_use.insert(b.stream)
+    for i in range(c_handles.size()):
+        if not in_use.count(c_handles[i]):
+            unused[i] = 1
+            a.allocation_streams_kept.erase(c_handles[i])
+    a.mutex.unlock()
+    for i in range(c_handles.size()):
+        if unused[i]:
+            a.allocation_stream_objects.pop(handles[i], None)
+    return 0
+
+
 cdef int prune_stream_pins(DeviceCachingAllocator a) except -1:
     """Drop the stream objects that no block stream use names any more.
 
@@ -2160,6 +2214,8 @@ cdef class Buffer:
         self.stream = stream_handle(stream)
         cdef Block* b = allocate_block(allocator, self.size, self.stream)
         self.ptr = b.ptr if b != NULL else 0
+        if b != NULL and type(stream) is not int and self.stream != 0 and stream is not None:
+            allocator.keep_allocation_stream(self.stream, stream)
 
     @property
     def device(self):

@@ -874,3 +874,31 @@ def test_an_interior_pointer_error_names_the_allocation_it_lies_in(sim_defaults)
         alloc.free(ptr + 512)
     assert err.value.allocation == ptr and err.value.ptr == ptr + 512
     alloc.free(ptr)
+
+
+def test_cupy_hook_keeps_the_current_stream_alive_while_its_blocks_are_cached(fake_cupy):
+    # CuPy destroys a stream when its object dies and the driver recycles the handle: blocks
+    # cached for a dead stream would pass to the next new stream while its queued work may still
+    # use them (issue 15). The hook keeps the stream object until empty_cache finds none left.
+    import weakref
+    import pyalloc.cupy as pc
+
+    class Stream:
+        def __init__(self, sim):
+            self.sim, self.ptr = sim, sim.create_stream()
+
+        def __del__(self):
+            self.sim.destroy_stream(self.ptr)
+
+    sim = pyalloc.get_allocator(0).backend
+    current = [Stream(sim)]
+    fake_cupy.cuda.get_current_stream = lambda: current[0]
+    pc.install()
+    fake_cupy.stream = current[0].ptr
+    mp = fake_cupy.alloc(MiB)
+    gone = weakref.ref(current[0])
+    current[0] = None
+    del mp
+    assert gone() is not None
+    pyalloc.empty_cache()
+    assert gone() is None

@@ -210,6 +210,55 @@ def test_an_int_handle_is_not_kept_and_needs_no_object():
     assert alloc.malloc(4 * KiB) == p
 
 
+# ------------------------------------------------------------------ allocation streams
+
+def test_an_allocation_stream_object_is_kept_while_the_allocator_holds_its_blocks():
+    sim, alloc = make()
+    s = SimStream(sim)
+    p = alloc.malloc(4 * KiB, s)
+    gone = weakref.ref(s)
+    del s
+    alloc.free(p)
+    assert gone() is not None                   # its block is cached for it
+    alloc.empty_cache()
+    assert gone() is None
+
+
+def test_a_new_stream_never_gets_blocks_cached_for_a_dead_streams_queued_work():
+    sim, alloc = make()
+    s = SimStream(sim)
+    p = alloc.malloc(4 * KiB, s)
+    sim.launch(s.ptr)                           # work on s using p, still queued
+    alloc.free(p)                               # stream-ordered: cached for s, no event
+    handle = s.ptr
+    del s
+    s2 = SimStream(sim)
+    assert s2.ptr != handle                     # s lives on: its handle is not recycled
+    assert alloc.malloc(4 * KiB, s2) != p
+
+
+def test_a_buffer_keeps_its_stream_object_alive_like_malloc():
+    sim, alloc = make()
+    s = SimStream(sim)
+    buf = Buffer(alloc, 4 * KiB, s)
+    gone = weakref.ref(s)
+    del s, buf
+    assert gone() is not None
+    alloc.empty_cache()
+    assert gone() is None
+
+
+def test_a_stream_given_only_to_record_stream_is_not_kept_as_an_allocation_stream():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s = SimStream(sim)
+    alloc.record_stream(p, s)
+    gone = weakref.ref(s)
+    del s
+    alloc.free(p)
+    assert gone() is None
+
+
 # ------------------------------------------------------------------ events are given back
 
 def allocator_with_an_event(pending):
