@@ -24,6 +24,7 @@ before and after, expandable segments seen). Exit status 0 when there was no cor
 and no error; 1 otherwise; 2 when CuPy or a GPU is missing.
 """
 import argparse
+import gc
 import json
 import math
 import random
@@ -86,6 +87,8 @@ class Worker(threading.Thread):
         self.streams_replaced = 0
         self.error = None
         self.bad = None
+        import pyalloc
+        self.record_stream = pyalloc.record_stream
 
     def launch(self, kernel, n, *args):
         blocks = int(min(1024, max(1, (n + 255) // 256)))
@@ -133,8 +136,7 @@ class Worker(threading.Thread):
             user.wait_event(alloc_stream.record())
             with user:
                 self.launch(self.check, n, arr, np.uint64(n), np.uint32(seed), self.bad)
-            import pyalloc
-            pyalloc.record_stream(arr, user)
+            self.record_stream(arr, user)
             self.cross_stream += 1
         else:
             with alloc_stream:
@@ -177,6 +179,7 @@ def run_phase(args, cp, np, fill, check, expandable, seconds):
         w.bad = None
     errors = [f"{w.name}: {w.error}" for w in workers if w.error]
     workers.clear()
+    gc.collect()                       # arrays held by reference cycles (e.g. a traceback)
     cp.cuda.Device(0).synchronize()
     alloc.process_events()
     pyalloc.empty_cache()
