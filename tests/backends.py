@@ -62,15 +62,16 @@ class _StreamWork:
         self.device_ptr = _check(driver.cuMemHostGetDevicePointer(self.host, 0),
                                  "cuMemHostGetDevicePointer")
         self.launched = 0
-        self.events = []              # events[i] is recorded after unit i + 1
+        self.events = []              # events[i] is recorded after unit i + 1 (its wait)
+        self.before = []              # before[i] just before unit i + 1: after what came earlier
 
     def close(self):
         from cuda.bindings import driver
         self.flag.value = self.launched      # the wait is a cyclic >=: never a huge value
-        for ev in self.events:
+        for ev in self.events + self.before:
             _check(driver.cuEventSynchronize(ev), "cuEventSynchronize")
             _check(driver.cuEventDestroy(ev), "cuEventDestroy")
-        self.events = []
+        self.events, self.before = [], []
         _check(driver.cuMemFreeHost(self.host), "cuMemFreeHost")
 
 
@@ -138,16 +139,21 @@ class CudaTestDevice:
         with self._lock:
             work = self._work_of(stream)
             for _ in range(count):
+                work.before.append(self._record(stream))
                 work.launched += 1
                 _check(driver.cuStreamWaitValue32(driver.CUstream(stream), work.device_ptr,
                                                   work.launched,
                                                   driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
                        "cuStreamWaitValue32")
-                ev = _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-                            "cuEventCreate")
-                _check(driver.cuEventRecord(ev, driver.CUstream(stream)), "cuEventRecord")
-                work.events.append(ev)
+                work.events.append(self._record(stream))
             return work.launched
+
+    @staticmethod
+    def _record(stream):
+        from cuda.bindings import driver
+        ev = _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        _check(driver.cuEventRecord(ev, driver.CUstream(stream)), "cuEventRecord")
+        return ev
 
     def _completed(self, work):
         from cuda.bindings import driver
@@ -180,8 +186,13 @@ class CudaTestDevice:
         with self._lock:
             if work.flag.value < target:
                 work.flag.value = target
-        if target:
-            _check(driver.cuEventSynchronize(work.events[target - 1]), "cuEventSynchronize")
+        # Wait for everything queued before the next unit's wait (e.g. the allocator's events
+        # recorded after unit `target`), as SimDevice completes it: all of the stream when no
+        # wait is left, else up to the event recorded just before unit target + 1.
+        if target == work.launched:
+            _check(driver.cuStreamSynchronize(driver.CUstream(stream)), "cuStreamSynchronize")
+        else:
+            _check(driver.cuEventSynchronize(work.before[target]), "cuEventSynchronize")
         self._touch()
         return target - before
 
