@@ -42,6 +42,7 @@ cdef class DeviceCachingAllocator:
     # memory cached for the old one may still be in use by its queued work (see keep_allocation_stream).
     cdef unordered_set[uintptr_t] allocation_streams_kept
     cdef dict allocation_stream_objects               # handle -> stream object
+    cdef object pins_lock                             # orders changes of the two dicts above
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools

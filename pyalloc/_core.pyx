@@ -298,6 +298,10 @@ cdef class DeviceCachingAllocator:
         self.oom_observers = []
         self.stream_pins = {}
         self.allocation_stream_objects = {}
+        # A Python lock, never held while the allocator's is taken for long: a prune's check
+        # (under the allocator's lock) and its dict removals happen under it, so that a stream
+        # named again meanwhile is always put back (a setter waits for the prune).
+        self.pins_lock = threading.Lock()
 
     def __init__(self, Backend backend not None):
         self.backend = backend
@@ -370,7 +374,8 @@ cdef class DeviceCachingAllocator:
             self.allocation_streams_kept.insert(stream)
         self.mutex.unlock()
         if not kept:
-            self.allocation_stream_objects[stream] = stream_object
+            with self.pins_lock:
+                self.allocation_stream_objects[stream] = stream_object
         return 0
 
     cdef raise_oom(self, size_t requested):
@@ -524,8 +529,9 @@ cdef class DeviceCachingAllocator:
                 mark_last_use(self, b, s)
         finally:
             self.mutex.unlock()
-        if pin and s not in self.stream_pins:
-            self.stream_pins[s] = stream
+        if pin:
+            with self.pins_lock:
+                self.stream_pins[s] = stream
         if self.stream_pins:
             prune_stream_pins(self)
 
@@ -1860,28 +1866,31 @@ cdef void forget_stream_uses(DeviceCachingAllocator a, vector[uintptr_t]* stream
 cdef int release_allocation_streams(DeviceCachingAllocator a) except -1:
     """Drop the allocation stream objects (keep_allocation_stream) of which no block is left.
     As prune_stream_pins: handles read before the lock, objects dropped after it."""
-    cdef list handles = list(a.allocation_stream_objects)
     cdef vector[uintptr_t] c_handles
     cdef vector[char] unused
     cdef vector[Block*] blocks
     cdef unordered_set[uintptr_t] in_use
     cdef Block* b
     cdef size_t i
-    for h in handles:
-        c_handles.push_back(<uintptr_t>h)
-    unused.resize(c_handles.size(), 0)
-    lock_allocator(a)
-    collect_blocks(a, &blocks)
-    for b in blocks:
-        in_use.insert(b.stream)
-    for i in range(c_handles.size()):
-        if not in_use.count(c_handles[i]):
-            unused[i] = 1
-            a.allocation_streams_kept.erase(c_handles[i])
-    a.mutex.unlock()
-    for i in range(c_handles.size()):
-        if unused[i]:
-            a.allocation_stream_objects.pop(handles[i], None)
+    dropped = []
+    with a.pins_lock:
+        handles = list(a.allocation_stream_objects)
+        for h in handles:
+            c_handles.push_back(<uintptr_t>h)
+        unused.resize(c_handles.size(), 0)
+        lock_allocator(a)
+        collect_blocks(a, &blocks)
+        for b in blocks:
+            in_use.insert(b.stream)
+        for i in range(c_handles.size()):
+            if not in_use.count(c_handles[i]):
+                unused[i] = 1
+                a.allocation_streams_kept.erase(c_handles[i])
+        a.mutex.unlock()
+        for i in range(c_handles.size()):
+            if unused[i]:
+                dropped.append(a.allocation_stream_objects.pop(handles[i], None))
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
     return 0
 
 
@@ -1891,20 +1900,23 @@ cdef int prune_stream_pins(DeviceCachingAllocator a) except -1:
     The handles are read into C before the lock and the objects dropped after it: no Python
     object is made or freed under the lock (dropping a CuPy stream destroys it, and a collection
     run there could re-enter the allocator)."""
-    cdef list handles = list(a.stream_pins)
     cdef vector[uintptr_t] c_handles
     cdef vector[char] unused
     cdef size_t i
-    for h in handles:
-        c_handles.push_back(<uintptr_t>h)
-    unused.resize(c_handles.size(), 0)
-    lock_allocator(a)
-    for i in range(c_handles.size()):
-        unused[i] = a.stream_use_counts.count(c_handles[i]) == 0
-    a.mutex.unlock()
-    for i in range(c_handles.size()):
-        if unused[i]:
-            a.stream_pins.pop(handles[i], None)
+    dropped = []
+    with a.pins_lock:
+        handles = list(a.stream_pins)
+        for h in handles:
+            c_handles.push_back(<uintptr_t>h)
+        unused.resize(c_handles.size(), 0)
+        lock_allocator(a)
+        for i in range(c_handles.size()):
+            unused[i] = a.stream_use_counts.count(c_handles[i]) == 0
+        a.mutex.unlock()
+        for i in range(c_handles.size()):
+            if unused[i]:
+                dropped.append(a.stream_pins.pop(handles[i], None))
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
     return 0
 
 
