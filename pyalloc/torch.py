@@ -30,7 +30,7 @@ import os
 import threading
 
 from pyalloc import defaults
-from pyalloc.errors import OutOfMemoryError
+from pyalloc.errors import NotAllocatedError, OutOfMemoryError
 
 LIBRARY_NAME = "libpyalloc_torch.so"
 ALLOC_SYMBOL = "pyalloc_torch_malloc"
@@ -205,7 +205,8 @@ def record_stream(tensor, stream):
         return
     try:
         defaults.record_stream(base, handle)
-    except ValueError as exc:
-        if "already freed" in str(exc):
-            raise
+    except NotAllocatedError:
+        # Not a block of pyalloc's (PyTorch's own allocator, or a MemPool's segment that
+        # PyTorch's caching allocator splits): PyTorch's record_stream applies. A pointer that
+        # pyalloc did hand out and that is already freed raises AlreadyFreedError, as it should.
         tensor.record_stream(stream)
