@@ -250,19 +250,36 @@ def release_window(list entries, Py_ssize_t start):
     its first release and the request's own entry (garbage collection, the max_split_size
     release, the flush with the events it waits for, the new segment). `request` is the index of
     the alloc or oom entry that ends it, or -1 when another entry (or the trace's end) does, at
-    index `end`; window_bytes sums the sizes of its segment_free and segment_unmap entries."""
+    index `end`; window_bytes sums the sizes of its segment_free and segment_unmap entries, less
+    what the window mapped before a later release (an expandable segment's growth that the
+    failed malloc mapped and its flush then unmapped: memory the allocator held only inside it)."""
     cdef Py_ssize_t j, n = len(entries)
-    cdef object total = 0
+    cdef object total = 0, grown = 0, regrown = 0
+    # Pages mapped just before the first release, with no request entry between, are the same
+    # malloc's growth (an expandable segment grows page run by page run and can fail midway).
+    j = start - 1
+    while j >= 0:
+        e = entries[j]
+        action = e["action"]
+        if action == "segment_map":
+            grown += e["size"]
+        elif action != "free_completed":
+            break
+        j -= 1
     for j in range(start, n):
         e = entries[j]
         action = e["action"]
         if action == "segment_free" or action == "segment_unmap":
             total += e["size"]
+            regrown += grown
+            grown = 0
         elif action == "alloc" or action == "oom":
-            return j, j, total
-        elif not (action == "free_completed" or action == "segment_alloc" or action == "segment_map"):
-            return j, -1, total
-    return n, -1, total
+            return j, j, max(total - regrown, 0)
+        elif action == "segment_alloc" or action == "segment_map":
+            grown += e["size"]
+        elif action != "free_completed":
+            return j, -1, max(total - regrown, 0)
+    return n, -1, max(total - regrown, 0)
 
 
 cdef inline size_t available_bytes(DeviceCachingAllocator a) except? 0:

@@ -354,6 +354,36 @@ def classify_releases(trace, *, device=0, device_memory=None, memory_fraction=No
         return None
 
 
+def traced_reservations(entries, device_memory):
+    """(base, reserved bytes) of every expandable segment the trace's segment_map and
+    segment_unmap entries imply, in the order they were reserved: a map outside every live
+    segment starts a new one at its address (PyTorch maps a new segment from its base up); a
+    segment whose mapped bytes all went (empty_cache, the flush) was released, and a later map
+    reserves anew. Small-pool maps are single 2 MiB pages (a small request needs one); large-pool
+    maps are whole 20 MiB pages. Reservation sizes are those of a device of `device_memory`."""
+    from pyalloc._expandable import expandable_reservation_size
+    live = []          # [base, size, mapped bytes]
+    out = []
+    for e in entries:
+        action = e["action"]
+        if action != "segment_map" and action != "segment_unmap":
+            continue
+        addr, size = e["addr"], e["size"]
+        seg = next((r for r in live if r[0] <= addr < r[0] + r[1]), None)
+        if action == "segment_map":
+            if seg is None:
+                small = size % (20 * MiB) != 0
+                seg = [addr, expandable_reservation_size(device_memory, small), 0]
+                live.append(seg)
+                out.append((seg[0], seg[1]))
+            seg[2] += size
+        elif seg is not None:
+            seg[2] -= size
+            if seg[2] <= 0:
+                live.remove(seg)
+    return out
+
+
 def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None,
            on_finish=None, history=False, check=True, progress_every=65536, on_start=None,
            memory_fraction=None, empty_cache_calls=None, attempt_ooms=True, literal_releases=False):
@@ -431,7 +461,16 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         segment_allocs, segment_maps = check_trace(entries, device)
     if placement == "recorded":
         sim.place_segments(segment_allocs)
-        sim.place_reservations(recorded_reservations(snapshot, segment_maps, device_memory, device))
+        if segment_maps:
+            reservations = traced_reservations(entries, device_memory)
+            # A trace that starts after its segments were reserved (a wrapped ring buffer) maps
+            # below the first address it saw of a segment: when a final segment lies outside
+            # every reservation so found, the final snapshot's segments know better.
+            final = [seg["address"] for seg in snapshot.get("segments", [])
+                     if seg.get("is_expandable") and seg.get("device", device) == device]
+            if not all(any(base <= a < base + size for base, size in reservations) for a in final):
+                reservations = recorded_reservations(snapshot, segment_maps, device_memory, device)
+            sim.place_reservations(reservations)
     alloc = CachingAllocator(device, backend=sim, config=config)
     if memory_fraction is not None:
         alloc.set_memory_fraction(memory_fraction)
