@@ -356,31 +356,35 @@ def classify_releases(trace, *, device=0, device_memory=None, memory_fraction=No
 
 def traced_reservations(entries, device_memory):
     """(base, reserved bytes) of every expandable segment the trace's segment_map and
-    segment_unmap entries imply, in the order they were reserved: a map outside every live
-    segment starts a new one at its address (PyTorch maps a new segment from its base up); a
-    segment whose mapped bytes all went (empty_cache, the flush) was released, and a later map
-    reserves anew. Small-pool maps are single 2 MiB pages (a small request needs one); large-pool
-    maps are whole 20 MiB pages. Reservation sizes are those of a device of `device_memory`."""
+    segment_unmap entries imply, in the order they were reserved. A stream has one expandable
+    segment per pool while it lives: a map of a (stream, pool) with none live starts one at its
+    address (PyTorch maps a new segment from its base up); a segment whose mapped bytes all went
+    (empty_cache, the flush) was released, and a later map reserves anew. Small-pool maps are
+    single 2 MiB pages (a small request needs one), large-pool maps whole 20 MiB pages; an unmap
+    belongs to the live segment of its stream with the highest base at or below it. Reservation
+    sizes are those of a device of `device_memory` (the run's own are not in the trace)."""
     from pyalloc._expandable import expandable_reservation_size
-    live = []          # [base, size, mapped bytes]
+    live = {}          # (stream, small) -> [base, mapped bytes]
     out = []
     for e in entries:
         action = e["action"]
         if action != "segment_map" and action != "segment_unmap":
             continue
-        addr, size = e["addr"], e["size"]
-        seg = next((r for r in live if r[0] <= addr < r[0] + r[1]), None)
+        addr, size, stream = e["addr"], e["size"], e.get("stream", 0)
         if action == "segment_map":
-            if seg is None:
-                small = size % (20 * MiB) != 0
-                seg = [addr, expandable_reservation_size(device_memory, small), 0]
-                live.append(seg)
-                out.append((seg[0], seg[1]))
-            seg[2] += size
-        elif seg is not None:
-            seg[2] -= size
-            if seg[2] <= 0:
-                live.remove(seg)
+            key = (stream, size % (20 * MiB) != 0)
+            seg = live.get(key)
+            if seg is None or addr < seg[0]:
+                seg = live[key] = [addr, 0]
+                out.append((addr, expandable_reservation_size(device_memory, key[1])))
+            seg[1] += size
+            continue
+        owners = [(seg[0], key) for key, seg in live.items() if key[0] == stream and seg[0] <= addr]
+        if owners:
+            key = max(owners)[1]
+            live[key][1] -= size
+            if live[key][1] <= 0:
+                del live[key]
     return out
 
 
@@ -513,7 +517,7 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
     """The smallest device memory (bytes, a multiple of 2 MiB) on which the whole trace, its oom
     requests included, replays under `config` without an out-of-memory; None when it runs out
     of memory even on `ceiling` bytes (default: roomy_device, more than every segment the trace
-    made). `memory_fraction` as in replay: the device is then the one whose fraction gives the
+    made, over the fraction). `memory_fraction` as in replay: the device is then the one whose fraction gives the
     limit. Found by bisection over fresh-placement replays (recorded addresses belong to the
     trace's own limit), between a device whose limit is below the peak allocated bytes (it
     cannot fit) and one that fits. This assumes that a larger device never does worse, which
@@ -530,8 +534,9 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
     if empty_cache_calls is None:
         empty_cache_calls = classify_releases(snapshot, device=device, memory_fraction=memory_fraction,
                                               device_memory=roomy_device(entries))
+    fraction = memory_fraction if memory_fraction is not None and memory_fraction < 1.0 else 1.0
     if ceiling is None:
-        ceiling = roomy_device(entries)
+        ceiling = -(-int(roomy_device(entries) / fraction) // FIT_STEP) * FIT_STEP
     kwargs = dict(config=config, placement="fresh", device=device, memory_fraction=memory_fraction,
                   empty_cache_calls=empty_cache_calls, check=False)
 
@@ -541,7 +546,6 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
     roomy = replay(snapshot, device_memory=ceiling, **kwargs)
     if roomy.num_ooms:
         return None
-    fraction = memory_fraction if memory_fraction is not None and memory_fraction < 1.0 else 1.0
 
     def up(size):
         return -(-size // FIT_STEP) * FIT_STEP

@@ -203,6 +203,19 @@ class TuneResult:
             return None
         return fresh.result.peak_reserved - self.baseline.result.peak_reserved
 
+    @property
+    def allowed_memory(self) -> int | None:
+        """floor(memory_fraction x device_memory) when a memory fraction below 1 was given."""
+        if self.memory_fraction is None or self.memory_fraction >= 1.0:
+            return None
+        return int(self.memory_fraction * float(self.device_memory))
+
+    def device_words(self) -> str:
+        """'the 80.00 GiB device', or with a fraction 'the 139.80 GiB device (849.00 MiB allowed)'."""
+        allowed = self.allowed_memory
+        text = f"the {format_bytes(self.device_memory)} device"
+        return text + (f" ({format_bytes(allowed)} allowed)" if allowed is not None else "")
+
     def best_line(self) -> str | None:
         """`PYTORCH_CUDA_ALLOC_CONF=...` for the best setting, quoted for a POSIX shell."""
         if self.best is None:
@@ -219,7 +232,9 @@ class TuneResult:
             "device_memory_derived": self.device_memory_derived,
             "memory_fraction": self.memory_fraction, "fit": self.fit,
             "placement_effect": self.placement_effect,
-            "results": [r.as_dict() for r in self.rows],
+            "results": [dict(r.as_dict(), fit_allowed=(
+                None if r.fit_memory is None or self.allowed_memory is None
+                else int(self.memory_fraction * float(r.fit_memory)))) for r in self.rows],
             "skipped": [{"config": r.config, "reason": r.error} for r in self.skipped],
             "failed": [{"config": r.config, "error": r.error} for r in self.failed],
             "best": self.best.config if self.best else None,
@@ -521,8 +536,13 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     if result.recorded_oom is not None:
         extra.append((("recorded OOM", "fits? spare"), lambda row: oom_request_words(row)))
     if result.fit:
-        extra.append((("--fit:", "fits on"), lambda row: format_bytes(row.fit_memory)
-                      if row.fit_memory is not None else "none"))
+        # Under a memory fraction the limit it gives is the figure to read (the device is the
+        # limit over the fraction).
+        fraction = result.allowed_memory is not None
+        extra.append((("--fit:", "fits under" if fraction else "fits on"),
+                      lambda row: "none" if row.fit_memory is None else format_bytes(
+                          int(result.memory_fraction * float(row.fit_memory)) if fraction
+                          else row.fit_memory)))
     headers = headers + tuple(h for h, _ in extra)
     body = []
     for rank, row in enumerate(result.rows, 1):
@@ -553,8 +573,7 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     ooms = [b for b in body if b[-1]]
     for cells in body:
         if cells is (ooms[0] if ooms else None):
-            note = (f" these ran out of memory on the {format_bytes(result.device_memory)} device "
-                    "(see ! below) ")
+            note = f" these ran out of memory on {result.device_words()} (see ! below) "
             side = max(total - len(note), 4)
             lines.append("-" * (side // 2) + note + "-" * (side - side // 2))
         setting = _wrap_setting(cells[1], widths[1])
@@ -572,10 +591,13 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     if result.fit:
         notes.append(" --fit: the smallest device memory (to 2 MiB) on which the whole trace, its "
                      "oom requests included, runs without an out-of-memory, found by bisection "
-                     "over fresh-placement replays.")
+                     "over fresh-placement replays"
+                     + (f"; under the memory fraction {result.memory_fraction:g}, the limit that "
+                        "device gives (the JSON has both)." if result.allowed_memory is not None
+                        else "."))
     if ooms:
-        notes.append(f" !  OUT OF MEMORY: {len(ooms)} of {len(body)} settings ran out of memory on the "
-                     f"{format_bytes(result.device_memory)} device. Each failed allocation was "
+        notes.append(f" !  OUT OF MEMORY: {len(ooms)} of {len(body)} settings ran out of memory on "
+                     f"{result.device_words()}. Each failed allocation was "
                      "skipped, so their peaks undercount what they would need: they rank below "
                      "every setting that fits, fewest out-of-memory events first.")
     for note in notes:
@@ -680,8 +702,8 @@ def format_report(result: TuneResult) -> str:
         return "\n".join(out)
     best = result.best
     if not result.best_avoids_oom:
-        out.append(_para(f"every setting ran out of memory on a {format_bytes(result.device_memory)} "
-                         "device; the one with the fewest out-of-memory events:"))
+        out.append(_para(f"every setting ran out of memory on {result.device_words()}; the one "
+                         "with the fewest out-of-memory events:"))
     elif best.own:
         out.append("the trace's own setting is already the best of this grid:")
     else:
