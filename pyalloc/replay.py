@@ -513,7 +513,7 @@ FIT_STEP = 2 * MiB
 
 
 def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, empty_cache_calls=None,
-                      check=True, ceiling=None):
+                      check=True, ceiling=None, device_memory=None):
     """The smallest device memory (bytes, a multiple of 2 MiB) on which the whole trace, its oom
     requests included, replays under `config` without an out-of-memory; None when it runs out
     of memory even on `ceiling` bytes (default: roomy_device, more than every segment the trace
@@ -523,7 +523,9 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
     cannot fit) and one that fits. This assumes that a larger device never does worse, which
     holds for the ladder's frees and limits but not for every placement: the answer is a size
     that fits with the next 2 MiB below it not fitting. `empty_cache_calls` as in replay
-    (classify_releases' answer; None classifies it first)."""
+    (classify_releases' answer; None classifies it first, under the own setting on
+    `device_memory`: the device the run had, by default the one its recorded OOM implies, else
+    80 GiB, as replay and tune take it)."""
     memory_fraction = check_memory_fraction(memory_fraction)
     snapshot = load(trace) if not isinstance(trace, dict) else trace
     entries = trace_entries(snapshot, device)
@@ -532,8 +534,11 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
     if config is None:
         config = own_config(snapshot)
     if empty_cache_calls is None:
+        if device_memory is None:
+            oom = recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
+            device_memory = oom.device_memory if oom is not None else DEFAULT_DEVICE_MEMORY
         empty_cache_calls = classify_releases(snapshot, device=device, memory_fraction=memory_fraction,
-                                              device_memory=roomy_device(entries))
+                                              device_memory=device_memory)
     fraction = memory_fraction if memory_fraction is not None and memory_fraction < 1.0 else 1.0
     if ceiling is None:
         ceiling = -(-int(roomy_device(entries) / fraction) // FIT_STEP) * FIT_STEP
