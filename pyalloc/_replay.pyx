@@ -487,3 +487,36 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
     if progress is not None:
         progress(n, n)
     return allocations, matches, ooms, unknown, calls, oom_requests, first_failed, unmatched
+
+
+def trace_flags(list entries):
+    """(has_releases, has_ooms): whether the trace holds segment_free / segment_unmap entries and
+    oom entries. One quick pass (action names recognised by identity, as in the replay loop), so
+    that tune can skip classifying releases (none to classify) and looking for a recorded OOM."""
+    cdef Py_ssize_t i, n = len(entries)
+    cdef PyObject* names[8]
+    cdef int kinds[8]
+    cdef int known = 0, j, kind
+    cdef bint releases = False, ooms = False
+    k_action = trace_key_objects(entries)[0]
+    for i in range(n):
+        entry = entries[i]
+        action = (<dict>entry).get(k_action) if type(entry) is dict else None
+        kind = -1
+        for j in range(known):
+            if <PyObject*>action == names[j]:
+                kind = kinds[j]
+                break
+        if kind < 0:
+            kind = act_kind(action)
+            if known < 8:
+                names[known] = <PyObject*>action
+                kinds[known] = kind
+                known += 1
+        if kind == ACT_RELEASE:
+            releases = True
+        elif kind == ACT_OOM:
+            ooms = True
+        if releases and ooms:
+            break
+    return releases, ooms

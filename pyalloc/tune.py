@@ -45,6 +45,7 @@ from pyalloc.errors import format_bytes
 from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
                             check_trace, classify_releases, fit_device_memory, looks_wrapped,
                             recorded_oom, replay, roomy_device, trace_entries)
+from pyalloc._replay import trace_flags
 from pyalloc.snapshot import load
 
 GRIDS = ("default", "wide")
@@ -414,7 +415,9 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     entries = trace_entries(snapshot, device)
     check_trace(entries, device)
     own = recorded_config(snapshot)
-    oom = recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
+    has_releases, has_ooms = trace_flags(entries)
+    oom = (recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
+           if has_ooms else None)
     derived = device_memory is None and oom is not None
     if device_memory is None:
         device_memory = oom.device_memory if oom is not None else DEFAULT_DEVICE_MEMORY
@@ -444,8 +447,10 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
 
     # The baseline runs first, here: its replay (the own setting at the trace's addresses and
     # limit) decides which segment frees were empty_cache() calls, for every other replay.
-    calls = None
-    if baseline.error is None:
+    # (A trace without segment frees has nothing to classify: the baseline then runs with the
+    # others, in parallel.)
+    calls = None if has_releases else []
+    if baseline.error is None and calls is None:
         _, baseline.result, baseline.skipped, baseline.error, _ = _run_one(
             (0, own, "recorded", device_memory, device, memory_fraction, None, False), snapshot)
         if baseline.result is not None:
@@ -453,9 +458,10 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     if calls is None and own_fresh.error is None:
         calls = classify_releases(snapshot, device=device, device_memory=device_memory,
                                   memory_fraction=memory_fraction)
-    to_run = [row for row in [own_fresh] + rows if row.error is None]
-    job_list = [(i, row.config, row.placement, device_memory, device, memory_fraction, calls, fit)
-                for i, row in enumerate(to_run)]
+    to_run = [row for row in [baseline] if row.error is None and row.result is None]
+    to_run += [row for row in [own_fresh] + rows if row.error is None]
+    job_list = [(i, row.config, row.placement, device_memory, device, memory_fraction, calls,
+                 fit and row is not baseline) for i, row in enumerate(to_run)]
     source = trace if isinstance(trace, dict) else str(trace)
     outcomes = _run_jobs(job_list, snapshot, source, jobs, progress)
     for i, row in enumerate(to_run):
