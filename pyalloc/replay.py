@@ -216,6 +216,19 @@ def check_memory_fraction(memory_fraction):
     return float(memory_fraction)
 
 
+def gc_without_fraction(config, memory_fraction):
+    """True when setting string `config` sets garbage_collection_threshold but no memory fraction
+    below 1 is in force (neither `memory_fraction` nor its per_process_memory_fraction): PyTorch's
+    GC then does nothing, and neither does the replay's. For a trace recorded under
+    torch.cuda.set_per_process_memory_fraction, the fraction must be given to replay its GC."""
+    try:
+        settings = CudaAllocatorConfig(config)
+    except ValueError:
+        return False
+    fraction = memory_fraction if memory_fraction is not None else settings.per_process_memory_fraction
+    return settings.garbage_collection_threshold > 0.0 and fraction >= 1.0
+
+
 def allowed_bytes(device_memory, memory_fraction):
     """The allocator's limit on a device of `device_memory` bytes under `memory_fraction`:
     floor(fraction x device_memory) as PyTorch computes it, or None for no fraction (or 1.0)."""

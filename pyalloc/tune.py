@@ -45,6 +45,7 @@ from pyalloc.errors import format_bytes
 from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
                             check_trace, classify_releases, fit_device_memory, looks_wrapped,
                             recorded_oom, replay, roomy_device, trace_entries)
+from pyalloc.replay import gc_without_fraction
 from pyalloc._replay import trace_flags
 from pyalloc.snapshot import load
 
@@ -686,6 +687,12 @@ def format_report(result: TuneResult) -> str:
         out.append(_para(text))
     else:
         out.append(_para(f"trace's own setting {_label(base.config)} was not replayed: {base.error}"))
+    if gc_without_fraction(result.own_config, result.memory_fraction):
+        out.append(_para("Note: the trace's own setting sets garbage_collection_threshold, which acts "
+                         "only under a memory fraction below 1, and none is given: its segment frees "
+                         "are taken as empty_cache() calls. If the run called "
+                         "torch.cuda.set_per_process_memory_fraction, pass that fraction as "
+                         "--memory-fraction."))
     out.append(_para("The table replays every setting with fresh placement (segments where the "
                      "simulated device puts them), the own setting included, so that the "
                      "differences come from the settings and not from where the driver put "

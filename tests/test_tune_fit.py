@@ -165,3 +165,20 @@ def test_cli_tune_fit_json(tmp_path):
     data = json.loads(proc.stdout)
     assert data["device_memory_derived"] and data["recorded_oom"]["count"] == 25
     assert all(r["fit_memory"] > 0 for r in data["results"])
+
+
+def test_cli_replay_warns_when_the_gc_setting_has_no_fraction(capsys):
+    path = DATA / "oom" / "gc-fraction.pickle.gz"
+    assert main(["replay", str(path), "--placement", "fresh", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass that fraction as --memory-fraction" in err
+    run = run_json("gc-fraction")
+    assert main(["replay", str(path), "--json", "--device-memory", str(run["total_memory"]),
+                 "--memory-fraction", repr(run["fraction"])]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_tune_report_notes_a_gc_setting_without_fraction():
+    snapshot = pickle.load(gzip.open(DATA / "oom" / "gc-fraction.pickle.gz"))
+    result = tune(snapshot, grid=None, configs=(), jobs=1, snapshot=snapshot)
+    assert "pass that fraction as --memory-fraction" in format_report(result)
