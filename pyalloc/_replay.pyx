@@ -324,7 +324,12 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
         ends in anything but a request (a free, a snapshot, the trace's end) is always a call.
         So an empty_cache() right before a malloc that releases memory itself counts as the
         policy's only when the policy would free as much as the window did; one that frees less
-        than the window is a call (the policy cannot explain it).
+        than the window is a call (the policy cannot explain it). One right before a malloc that
+        would flush reads as that flush (the traces are the same): one more allocation retry.
+    free_completed entries are applied where they stand, including those of blocks whose events
+    a flush waited for mid-ladder (their entries come before the flush's segment frees): such a
+    block is free before the malloc in the replay, and when it could serve the request, the
+    replay counts one flush and retry less than PyTorch did.
       * `literal_releases` True (for measuring, not for counting): each segment_free releases that
         very segment (a free unsplit cached block at that address; one that is not there is
         counted in unmatched_releases), and each window of segment_unmap entries is one

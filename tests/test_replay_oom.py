@@ -535,3 +535,30 @@ def test_traced_reservations_start_anew_after_a_segment_is_all_unmapped():
     ]
     bases = [b for b, _ in traced_reservations(entries, 8 * GiB)]
     assert bases == [base, base + GiB, base + 2 * GiB]
+
+
+def test_a_completion_the_flush_waited_for_is_replayed_before_the_malloc():
+    # Known limit: a block freed with a stream use (record_stream) completes when the flush
+    # synchronizes, mid-ladder; its free_completed entry comes before the flush's segment frees,
+    # and the replay frees it when it reads it, before the malloc. Here that block (250 MiB)
+    # could serve the 200 MiB request, so the replay's malloc takes no flush and no retry: every
+    # figure is the run's but for num_alloc_retries, one less. (Process_events completions at a
+    # malloc's start look the same in a trace and must be freed before it.)
+    sim = SimDevice(400 * MiB, top_down=True)
+    alloc = CachingAllocator(0, backend=sim, config="")
+    alloc.record_memory_history(enabled="all", context=None)
+    side = sim.create_stream()
+    keep = alloc.malloc(100 * MiB)
+    x = alloc.malloc(250 * MiB)
+    alloc.record_stream(x, side)
+    sim.launch(side, 1)
+    alloc.free(x)                    # waits for an event on `side`
+    alloc.malloc(200 * MiB)          # 350 + 200 MiB > 400: the flush waits, frees x, retries
+    stats = alloc.memory_stats()
+    snapshot = alloc.snapshot()
+    snapshot["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": ""}
+    assert stats["num_alloc_retries"] == 1 and keep
+    result = replay(snapshot, device_memory=400 * MiB)
+    assert result.num_alloc_retries == 0
+    assert (result.peak_reserved, result.num_device_alloc, result.address_matches) == (
+        stats["reserved_bytes.all.peak"], stats["num_device_alloc"], result.allocations)
