@@ -84,3 +84,11 @@ cdef inline object address_object(Block* b):
     b.py_address = <void*><PyObject*>address
     b.py_address_value = b.ptr
     return address
+
+
+# The cache-hit path for C callers on any thread, with or without the GIL (pyalloc._capi): 1 when
+# served, 0 when the caller must take the GIL and the ordinary path (nothing changed).
+cdef int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_t stream,
+                          uintptr_t* out) noexcept nogil
+cdef int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept nogil
+cdef int record_stream_cache_hit(DeviceCachingAllocator a, uintptr_t ptr, uintptr_t stream) noexcept nogil

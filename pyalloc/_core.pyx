@@ -24,7 +24,9 @@ are "this thread" (use_mem_pool) and "this stream is in capture c" (graph captur
 Locking: every public method takes the allocator's one C-level recursive mutex. The GIL is
 released while waiting for it, so a thread that holds the mutex and has released the GIL inside a
 slow driver call can always finish. Recursive because a Python finalizer (a Buffer collected while
-an exception object is built) may re-enter free() on the same thread.
+an exception object is built) may re-enter free() on the same thread. C callers on any thread
+(pyalloc._capi) take the lock for cache hits only, giving up the GIL while they wait if they hold
+it, and never wait for the GIL while holding the lock: a miss unlocks first, then takes the GIL.
 """
 from libc.stdint cimport uintptr_t, int64_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
@@ -1080,7 +1082,7 @@ cdef inline int allocator_malloc(DeviceCachingAllocator a, size_t orig_size, uin
 
 
 cdef inline Block* hand_out(DeviceCachingAllocator a, Block* b, size_t orig_size,
-                            uint32_t context_id) noexcept:
+                            uint32_t context_id) noexcept nogil:
     commit_alloc(&a.st, b, orig_size, pyalloc_metadata_now(), context_id)
     a.active_blocks.insert(b.ptr, b)
     return b
@@ -1158,6 +1160,105 @@ cdef inline int release_pointer_in_dealloc(DeviceCachingAllocator a, uintptr_t p
     finally:
         a.mutex.unlock()
     return 0
+
+
+# ------------------------------------------------------------------------------- C callers' cache hits
+#
+# The cache-hit path again, for callers on any thread that may not hold the GIL (pyalloc._capi's
+# entry points, which PyTorch calls from autograd and data-loader threads). Each function serves
+# only what needs no Python and no backend call; anything else answers "not served" with nothing
+# changed, and the caller takes the GIL (without this lock) and runs the ordinary path above.
+
+cdef extern from "Python.h":
+    ctypedef struct PyThreadState
+    int PyGILState_Check() nogil
+    PyThreadState* PyEval_SaveThread() nogil
+    void PyEval_RestoreThread(PyThreadState*) nogil
+
+
+cdef inline void lock_from_any_thread(DeviceCachingAllocator a) noexcept nogil:
+    """Take the lock for a C caller that may or may not hold the GIL. One that holds it gives it up
+    while it waits: the lock's holder may need the GIL to finish (a slow path running Python, a
+    backend call that released it), and waiting for the lock with the GIL would deadlock."""
+    cdef PyThreadState* ts
+    if a.mutex.try_lock():
+        return
+    if PyGILState_Check():
+        ts = PyEval_SaveThread()
+        a.mutex.lock()
+        PyEval_RestoreThread(ts)
+    else:
+        a.mutex.lock()
+
+
+cdef inline bint needs_python(DeviceCachingAllocator a) noexcept nogil:
+    # Events to poll (backend calls), routes into private pools (thread keys, capture queries),
+    # history stacks (a Python recorder): the ordinary path handles them.
+    return (a.outstanding_events != 0 or not a.captures_underway.empty()
+            or a.capture_alloc_stacks or a.capture_free_stacks)
+
+
+cdef int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_t stream,
+                          uintptr_t* out) noexcept nogil:
+    """malloc of `size` bytes (0 < size < kMaxRequest) on `stream` from the cache: 1 with *out the
+    pointer, or 0 (not served, nothing changed)."""
+    cdef size_t rounded = round_size(&a.st.settings, size)
+    cdef BlockPool* pool = a.small_blocks if is_small_request(rounded) else a.large_blocks
+    cdef Block* b
+    lock_from_any_thread(a)
+    if needs_python(a):
+        a.mutex.unlock()
+        return 0
+    b = get_free_block(&a.st.settings, pool, stream, rounded)
+    if b == NULL:
+        if gc_enabled(&a.st.settings):
+            pool.get_free_blocks_call_count -= 1     # the ordinary path counts this search
+        a.mutex.unlock()
+        return 0
+    b = hand_out(a, take_block(&a.st, b, True, rounded), size, 0)
+    out[0] = b.ptr
+    a.mutex.unlock()
+    return 1
+
+
+cdef int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept nogil:
+    """free of a live block used on no other stream: 1 done, or 0 (not done: another case, or a
+    bad pointer whose error the ordinary path raises)."""
+    cdef Block* b
+    lock_from_any_thread(a)
+    b = a.active_blocks.get(ptr)
+    if b == NULL or not b.allocated or not b.stream_uses.empty() or needs_python(a):
+        a.mutex.unlock()
+        return 0
+    # allocator_free's branch for a block without stream uses.
+    commit_free_requested(&a.st, b, 0)
+    a.active_blocks.erase(b.ptr)
+    commit_free_completed(&a.st, b, 0)
+    a.mutex.unlock()
+    return 1
+
+
+cdef int record_stream_cache_hit(DeviceCachingAllocator a, uintptr_t ptr, uintptr_t stream) noexcept nogil:
+    """record_stream of a live block outside any route, where the list of streams has room: 1 done,
+    or 0 (not done)."""
+    cdef Block* b
+    cdef uintptr_t used
+    lock_from_any_thread(a)
+    b = a.active_blocks.get(ptr)
+    if b == NULL or not b.allocated or a.capture_routes or not a.captures_underway.empty():
+        a.mutex.unlock()
+        return 0
+    if stream != b.stream:
+        for used in b.stream_uses:
+            if used == stream:
+                break
+        else:
+            if b.stream_uses.size() == b.stream_uses.capacity():   # would allocate: may fail
+                a.mutex.unlock()
+                return 0
+            b.stream_uses.push_back(stream)
+    a.mutex.unlock()
+    return 1
 
 
 cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint known) except NULL:

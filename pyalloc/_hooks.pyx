@@ -48,7 +48,7 @@ cdef class FrameworkMalloc:
     Args: device_id() -> int; current_stream() -> object with .ptr; registry: a module whose
     `_allocators` dict maps device -> allocator; create(device) -> allocator (first use);
     wrap_memory(ptr, nbytes, owner, device) and wrap_pointer(memory, offset): the framework's
-    classes; after_oom(allocator, nbytes, stream) -> Buffer, called once malloc ran out of memory;
+    classes (nbytes: the block's size, the request rounded up as the allocator rounds it); after_oom(allocator, nbytes, stream) -> Buffer, called once malloc ran out of memory;
     device: serve only this ordinal (None: all) and pass others to fallback(nbytes).
     c_entry_points: optionally (device id capsule, stream pointer capsule), the framework's own C
     functions behind device_id() and current_stream().ptr, taken from its modules' __pyx_capi__
@@ -189,12 +189,15 @@ cdef class FrameworkMalloc:
                 buf.allocator.raise_oom(size)       # observers see it, as for any other malloc
             except OutOfMemoryError:
                 buf = self._after_oom(alloc, nbytes, stream)
-                return self._wrap_pointer(self._wrap_memory(buf.ptr, nbytes, buf, dev), 0)
+                return self._wrap_pointer(
+                    self._wrap_memory(buf.ptr, buf.allocator.round_size(nbytes), buf, dev), 0)
         if b == NULL:           # 0 bytes: CuPy never asks, but keep Buffer's meaning of ptr 0
             buf.ptr = 0
             return self._wrap_pointer(self._wrap_memory(0, nbytes, buf, dev), 0)
         buf.ptr = b.ptr
-        return self._wrap_pointer(self._wrap_memory(address_object(b), nbytes, buf, dev), 0)
+        # The memory object's size is the block's (a multiple of 512 bytes), as CuPy's own pool
+        # and PyTorch report it; CuPy code relies on it (CuPy's own test_percentile_memory_access).
+        return self._wrap_pointer(self._wrap_memory(address_object(b), b.size, buf, dev), 0)
 
 
 cdef inline bint capsule_named(object capsule, str name):

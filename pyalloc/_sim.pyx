@@ -62,6 +62,7 @@ from libcpp.deque cimport deque
 from libcpp.pair cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
 from cpython.pythread cimport PyThread_get_thread_ident
+from posix.unistd cimport usleep
 
 cimport cython
 from cpython.object cimport PyObject
@@ -192,7 +193,10 @@ cdef class SimDevice(Backend):
 
     Attributes: counters (calls per backend operation); segment_alloc_hook, a callable(nbytes)
     run at the start of every segment allocation (None by default), where a test can look at the
-    allocator in the middle of one (e.g. what other threads can do while the "driver" allocates).
+    allocator in the middle of one (e.g. what other threads can do while the "driver" allocates);
+    latency_us (microseconds, default 0: off), a delay that segment_alloc, segment_free,
+    event_record and event_query spend asleep with the GIL released, as a driver call would, so
+    that tests can make threads contend the allocator's lock while one is inside the backend.
     """
 
     cdef readonly size_t total_memory
@@ -217,6 +221,7 @@ cdef class SimDevice(Backend):
     cdef uint64_t _seq                                 # orders event records and waits
     cdef public dict counters
     cdef public object segment_alloc_hook              # callable(nbytes) or None, see the class doc
+    cdef public unsigned int latency_us                # driver-call delay, see the class doc
     # Stream capture (see the module doc).
     cdef int _live                                     # captures begun and not ended
     cdef dict _capture_of                              # stream -> _Capture, for streams of live captures
@@ -434,7 +439,13 @@ cdef class SimDevice(Backend):
             return self._first_fit_walk(nbytes)
         return addr
 
+    cdef void _driver_latency(self) noexcept:
+        if self.latency_us:
+            with nogil:
+                usleep(self.latency_us)
+
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
+        self._driver_latency()
         self.counters["segment_alloc"] += 1
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
@@ -461,6 +472,7 @@ cdef class SimDevice(Backend):
         return BACKEND_OK
 
     cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
+        self._driver_latency()
         self.counters["segment_free"] += 1
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
@@ -744,6 +756,7 @@ cdef class SimDevice(Backend):
         return &deref(it).second
 
     cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
+        self._driver_latency()
         self.counters["event_record"] += 1
         cdef EventState* e = self._event(event)
         if self._live and stream in self._capture_of:
@@ -759,6 +772,7 @@ cdef class SimDevice(Backend):
         return BACKEND_OK
 
     cdef int event_query(self, uintptr_t event) except -1:
+        self._driver_latency()
         self.counters["event_query"] += 1
         cdef EventState* e = self._event(event)
         if e.captured or self._live:

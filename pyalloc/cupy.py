@@ -7,7 +7,7 @@
 
 Each CuPy allocation is made by the default allocator of CuPy's current device, for CuPy's
 current stream (both read at allocation: at free time "current" may belong to another thread). It
-is returned to CuPy as MemoryPointer(UnownedMemory(ptr, size, owner, device_id), 0): the owner is a
+is returned to CuPy as MemoryPointer(UnownedMemory(ptr, block size, owner, device_id), 0): the owner is a
 pyalloc Buffer, so the memory goes back to pyalloc when CuPy drops the last array or view using it,
 and the device id is always passed so CuPy never has to look the pointer up.
 

@@ -12,6 +12,7 @@ context is current); for the simulated device, 0.
 Sizes are bytes; pointers are ints; streams are int handles or stream objects (`__cuda_stream__`,
 `.cuda_stream`, `.ptr`), converted by the core.
 """
+import sys
 import threading
 
 from pyalloc.allocator import CachingAllocator
@@ -52,6 +53,9 @@ def set_default_backend(backend=None):
             a.empty_cache()
         _allocators = {}
         _allocator_list = ()
+        capi = sys.modules.get("pyalloc._capi")
+        if capi is not None:
+            capi.forget_allocators()        # the C entry points look the new ones up
         _backend_choice = backend
         _current_device = _resolve_current_device
 

@@ -563,6 +563,16 @@ def test_cupy_install_routes_cupy_allocations_through_pyalloc(fake_cupy):
     assert pyalloc.memory_allocated(0) == 0                 # freed when CuPy drops the memory
 
 
+def test_cupy_memory_size_is_the_blocks_rounded_size(fake_cupy):
+    # CuPy's own pool reports the rounded size, and CuPy's tests rely on it
+    # (statistics_tests/test_order.py::TestQuantile::test_percentile_memory_access: size % 512).
+    import pyalloc.cupy as pc
+    pc.install()
+    mp = fake_cupy.alloc(1001)
+    assert mp.mem.size == 1024
+    assert mp.mem.size == pyalloc.get_allocator(0).round_size(1001)
+
+
 def test_cupy_allocation_uses_cupys_current_device_and_stream(fake_cupy):
     import pyalloc.cupy as pc
     pc.install()

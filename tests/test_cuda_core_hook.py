@@ -1,0 +1,173 @@
+"""Specification of pyalloc.cuda_core, a cuda.core MemoryResource over pyalloc, without a GPU: the
+resource's interface as cuda.core defines it, and deallocate's stream ordering over the simulated
+device (a subclass that accepts the simulated default allocator; the real one refuses it).
+
+Building a cuda.core Buffer needs a CUDA context (it records a deallocation stream), so Buffers
+themselves are tested on the GPU (tests/test_frameworks_gpu.py).
+"""
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import pyalloc
+from pyalloc import defaults
+from pyalloc import cuda_core as pcc
+
+try:
+    core = pcc.import_cuda_core()
+except ImportError as exc:
+    pytest.skip(f"needs cuda.core (pip install cuda-core): {exc}", allow_module_level=True)
+
+MiB = 1 << 20
+
+
+class SimResource(pcc.PyallocMemoryResource):
+    """The resource over the simulated default allocator, handing out plain (ptr, size, stream)
+    records instead of cuda.core Buffers (which need a CUDA context)."""
+
+    def _allocator(self):
+        return defaults.get_allocator(self._device_id)
+
+    @staticmethod
+    def _from_handle(ptr, size, mr=None, stream=None):
+        return (ptr, size, stream)
+
+
+@pytest.fixture
+def sim_defaults():
+    pyalloc.set_default_backend(lambda d: pyalloc.SimDevice(64 * MiB, device=d))
+    yield defaults.get_allocator(0)
+    gc.collect()
+    pyalloc.set_default_backend(None)
+
+
+@pytest.fixture
+def mr(sim_defaults):
+    return SimResource(0)
+
+
+def test_without_cuda_core_the_module_imports_and_the_class_raises_a_clear_import_error(tmp_path):
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["cuda.core"] = None          # as if cuda-core were not installed
+        sys.modules["cuda.core.experimental"] = None
+        import pyalloc.cuda_core as pcc
+        try:
+            pcc.PyallocMemoryResource
+        except ImportError as exc:
+            print("ImportError:", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ImportError: pyalloc.cuda_core needs cuda.core (pip install cuda-core)")
+
+
+def test_the_resource_is_a_cuda_core_memory_resource():
+    assert issubclass(pcc.PyallocMemoryResource, core.MemoryResource)
+
+
+def test_the_resource_gives_device_memory_of_its_device(mr):
+    assert (mr.is_device_accessible, mr.is_host_accessible, mr.is_managed, mr.device_id) == \
+        (True, False, False, 0)
+
+
+def test_device_none_is_the_current_device(sim_defaults):
+    assert SimResource().device_id == defaults.current_device() == 0
+
+
+def test_a_bad_device_is_refused(sim_defaults):
+    with pytest.raises(ValueError, match="device must be an int ordinal >= 0"):
+        SimResource(-1)
+
+
+def test_the_resource_refuses_a_default_allocator_on_the_simulated_device(sim_defaults):
+    with pytest.raises(pyalloc.NoCudaDriverError, match="'sim' backend"):
+        pcc.PyallocMemoryResource(0)
+
+
+def test_allocate_makes_a_block_of_the_default_allocator_for_the_stream(mr, sim_defaults):
+    s = sim_defaults.backend.create_stream()
+    ptr, size, stream = mr.allocate(4096, stream=s)
+    assert (size, stream) == (4096, s)
+    assert [(seg["stream"], [b["address"] for b in seg["blocks"] if b["allocated"]])
+            for seg in sim_defaults._segments()] == [(s, [ptr])]
+    mr.deallocate(ptr, size, stream=s)
+
+
+def test_allocate_takes_the_stream_positionally_as_older_cuda_core_calls_it(mr, sim_defaults):
+    s = sim_defaults.backend.create_stream()
+    ptr, size, _ = mr.allocate(4096, s)
+    assert sim_defaults._segments()[0]["stream"] == s
+    mr.deallocate(ptr, size, s)
+
+
+def test_deallocate_returns_the_block(mr, sim_defaults):
+    ptr, size, _ = mr.allocate(4096)
+    mr.deallocate(ptr, size, stream=None)
+    assert sim_defaults.memory_allocated() == 0
+
+
+def test_a_buffer_cuda_core_refuses_gives_its_block_back(sim_defaults):
+    class Refusing(SimResource):
+        @staticmethod
+        def _from_handle(ptr, size, mr=None, stream=None):
+            raise RuntimeError("no CUDA context is current")
+
+    with pytest.raises(RuntimeError, match="no CUDA context"):
+        Refusing(0).allocate(4096)
+    assert sim_defaults.memory_allocated() == 0
+
+
+def test_deallocate_of_a_pointer_it_did_not_hand_out_is_refused(mr, sim_defaults):
+    ptr = sim_defaults.malloc(4096)
+    with pytest.raises(ValueError, match="is not a live allocation"):
+        mr.deallocate(ptr, 4096, stream=None)
+    assert sim_defaults.memory_allocated() == 4096
+    sim_defaults.free(ptr)
+
+
+def test_deallocate_on_the_allocation_stream_makes_the_block_reusable_at_once(mr, sim_defaults):
+    sim = sim_defaults.backend
+    s = sim.create_stream()
+    ptr, size, _ = mr.allocate(MiB, stream=s)
+    sim.launch(s, uses=(ptr,))                 # pending work on the allocation stream
+    mr.deallocate(ptr, size, stream=s)
+    again, _, _ = mr.allocate(MiB, stream=s)   # stream order makes the reuse safe
+    assert again == ptr
+    mr.deallocate(again, size, stream=s)
+
+
+def test_deallocate_on_another_stream_waits_for_that_streams_work(mr, sim_defaults):
+    sim = sim_defaults.backend
+    s1, s2 = sim.create_stream(), sim.create_stream()
+    ptr, size, _ = mr.allocate(MiB, stream=s1)
+    sim.launch(s2, uses=(ptr,))                # s2 still uses the block when it is freed on s2
+    mr.deallocate(ptr, size, stream=s2)
+    busy, _, _ = mr.allocate(MiB, stream=s1)
+    assert busy != ptr
+    sim.complete(s2)
+    after, _, _ = mr.allocate(MiB, stream=s1)
+    assert after == ptr
+    mr.deallocate(busy, size, stream=s1)
+    mr.deallocate(after, size, stream=s1)
+
+
+def test_a_graph_builder_is_refused_with_a_pointer_to_graph_pools(mr, sim_defaults):
+    class GraphBuilder:
+        def __cuda_stream__(self):
+            return (0, 7)
+
+    with pytest.raises(NotImplementedError, match="GraphBuilder"):
+        mr.allocate(4096, stream=GraphBuilder())
+    assert sim_defaults.memory_allocated() == 0
+
+
+def test_out_of_memory_raises_pyalloc_out_of_memory_error_and_changes_nothing(mr, sim_defaults):
+    with pytest.raises(pyalloc.OutOfMemoryError):
+        mr.allocate(128 * MiB)
+    assert sim_defaults.memory_allocated() == 0 and mr._streams == {}
