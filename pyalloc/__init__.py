@@ -2,7 +2,8 @@
 
 Importing pyalloc loads no CUDA library: the driver is touched only when a "cuda" backend is made.
 """
-from pyalloc.errors import CudaError, NoCudaDriverError, OutOfMemoryError
+from pyalloc.errors import (AlreadyFreedError, CudaError, NoCudaDriverError, NotAllocatedError,
+                            OutOfMemoryError, PointerError)
 from pyalloc.config import ConfigError, get_allocator_settings, set_allocator_settings
 
 
@@ -51,8 +52,8 @@ from pyalloc.defaults import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "CachingAllocator", "ConfigError", "CudaError", "MemPool", "NoCudaDriverError",
-    "OutOfMemoryError", "SimDevice", "get_allocator_settings", "get_memory_metadata", "replay",
+    "AlreadyFreedError", "Buffer", "CachingAllocator", "ConfigError", "CudaError", "MemPool",
+    "NoCudaDriverError", "NotAllocatedError", "OutOfMemoryError", "PointerError", "SimDevice", "get_allocator_settings", "get_memory_metadata", "replay",
     "set_allocator_settings", "set_memory_metadata", "graph_pool_handle", "use_mem_pool",
     # default allocators, one per device (pyalloc/defaults.py)
     "current_device", "default_allocators", "empty_cache", "free", "get_allocator",

@@ -31,6 +31,11 @@ cdef class Backend:
     cdef int event_query(self, uintptr_t event) except -1       # 1: completed, 0: pending
     cdef int event_synchronize(self, uintptr_t event) except -1
     cdef int event_destroy(self, uintptr_t event) except -1
+    # Streams of other devices: the ordinal of the device `stream` belongs to (this backend's own for
+    # the legacy and per-thread handles), and an event made in device `device`'s context, for
+    # recording on its streams (cuEventRecord needs an event and a stream of one context).
+    cdef int stream_device(self, uintptr_t stream) except -2
+    cdef int event_create_on(self, int device, uintptr_t* event) except -1
     cdef int stream_synchronize(self, uintptr_t stream) except -1
     cdef int device_synchronize(self) except -1
 

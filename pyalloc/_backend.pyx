@@ -33,6 +33,15 @@ cdef class Backend:
     cdef int event_destroy(self, uintptr_t event) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no events")
 
+    cdef int stream_device(self, uintptr_t stream) except -2:
+        # A backend that knows of no other device: every stream is its own.
+        return self.device
+
+    cdef int event_create_on(self, int device, uintptr_t* event) except -1:
+        if device == self.device:
+            return self.event_create(event)
+        raise NotImplementedError(f"{type(self).__name__} cannot make events for device {device}")
+
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no streams")
 

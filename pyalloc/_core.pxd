@@ -8,6 +8,7 @@ from libcpp.deque cimport deque
 from libcpp.pair cimport pair
 from libcpp.map cimport map as cppmap
 from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 
 from libc.stdint cimport uint64_t
 from pyalloc._types cimport (AllocatorLock, ActiveMap, Block, BlockPool, CaptureReuse, CaptureUses,
@@ -30,6 +31,18 @@ cdef class DeviceCachingAllocator:
     cdef EventQueues stream_events
     cdef size_t outstanding_events
     cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
+    cdef unordered_map[int, vector[uintptr_t]] foreign_event_pools   # the same, by other device
+    cdef unordered_map[uintptr_t, int] foreign_event_devices         # event -> its other device
+    # Stream lifetime: how many block stream uses (record_stream) name each stream handle, and the
+    # stream objects record_stream was given, kept alive while a use names them (see record_stream).
+    cdef unordered_map[uintptr_t, size_t] stream_use_counts
+    cdef dict stream_pins                             # handle -> stream object
+    # Allocation streams given as objects (framework hooks, malloc(n, stream_obj)): kept alive while
+    # the allocator holds blocks of theirs, so that their handle is not handed to a new stream while
+    # memory cached for the old one may still be in use by its queued work (see keep_allocation_stream).
+    cdef unordered_set[uintptr_t] allocation_streams_kept
+    cdef dict allocation_stream_objects               # handle -> stream object
+    cdef object pins_lock                             # orders changes of the two dicts above
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools
@@ -60,6 +73,7 @@ cdef class DeviceCachingAllocator:
     cdef size_t policy_release_bytes(self, size_t size, uintptr_t stream) except? 0
     cdef int release_cached_segment(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1
     cdef raise_oom(self, size_t requested)
+    cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1
     cdef bint routes_capture(self, unsigned long long capture_id) noexcept
 
 

@@ -31,6 +31,7 @@ it, and never wait for the GIL while holding the lock: a miss unlocks first, the
 from libc.stdint cimport uintptr_t, int64_t, uint32_t, uint64_t
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 from libcpp.pair cimport pair
 cimport cython
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
@@ -57,7 +58,7 @@ from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, ma
                                   free_segment_structs)
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
 from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
-from pyalloc.errors import OutOfMemoryError, format_bytes
+from pyalloc.errors import OutOfMemoryError, format_bytes, AlreadyFreedError, NotAllocatedError
 
 
 MIN_BLOCK_SIZE = kMinBlockSize
@@ -297,6 +298,12 @@ cdef class DeviceCachingAllocator:
         self.active_blocks = new ActiveMap()
         self.st.metadata_now = pyalloc_metadata_now
         self.oom_observers = []
+        self.stream_pins = {}
+        self.allocation_stream_objects = {}
+        # A Python lock, never held while the allocator's is taken for long: a prune's check
+        # (under the allocator's lock) and its dict removals happen under it, so that a stream
+        # named again meanwhile is always put back (a setter waits for the prune).
+        self.pins_lock = threading.Lock()
 
     def __init__(self, Backend backend not None):
         self.backend = backend
@@ -307,6 +314,15 @@ cdef class DeviceCachingAllocator:
         cdef vector[Block*] blocks
         cdef Block* b
         cdef pair[MempoolId, PrivatePool*] entry
+        if not pyalloc_is_finalizing():
+            # Events are driver objects of the backend's context: give them back (at interpreter
+            # exit the context's teardown reclaims them, as it does the segments).
+            try:
+                destroy_events(self, True)
+            except RuntimeError:
+                # CudaError or a closed CudaDevice: the context that owned them is gone and took
+                # them with it; a destructor has no caller to report to.
+                pass
         collect_blocks(self, &blocks)
         for b in blocks:
             Py_XDECREF(<PyObject*>b.py_address)
@@ -349,6 +365,26 @@ cdef class DeviceCachingAllocator:
 
     cdef int release_cached_segment(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1:
         return release_cached_segment(self, ptr, size, stream)
+
+    cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1:
+        """Keep `stream_object` (the stream of handle `stream`) alive while this allocator holds
+        blocks of that stream: a stream destroyed with work queued still runs it, and the driver
+        hands its handle to the next new stream at once, which would then be given the blocks
+        cached for the old one while that work may still use them. Released by empty_cache once
+        no block of the stream is left. (Stream 0 never dies; keeping an object of the other
+        never-dying handles, CUDA's 1 and 2, costs nothing.)"""
+        if stream == 0:
+            return 0
+        cdef bint kept
+        lock_allocator(self)
+        kept = self.allocation_streams_kept.count(stream) != 0
+        if not kept:
+            self.allocation_streams_kept.insert(stream)
+        self.mutex.unlock()
+        if not kept:
+            with self.pins_lock:
+                self.allocation_stream_objects[stream] = stream_object
+        return 0
 
     cdef raise_oom(self, size_t requested):
         raise_out_of_memory(self, requested)
@@ -437,23 +473,36 @@ cdef class DeviceCachingAllocator:
         Raises OutOfMemoryError when neither the cache nor the device can provide the memory,
         TypeError/ValueError for a bad size or stream (state unchanged).
         """
-        cdef Block* b = allocate_block(self, request_size(nbytes), stream_handle(stream))
+        cdef uintptr_t s = stream_handle(stream)
+        cdef Block* b = allocate_block(self, request_size(nbytes), s)
         if b == NULL:
             return 0
+        if type(stream) is not int and s != 0 and stream is not None:
+            self.keep_allocation_stream(s, stream)
         return address_object(b)
 
     def free(self, ptr):
         """Return the memory at `ptr` (from malloc) to the cache. free(0) does nothing.
 
-        Raises ValueError for a pointer this allocator did not hand out or already freed.
+        Raises NotAllocatedError for a pointer this allocator did not hand out, AlreadyFreedError
+        for one it already freed (both are PointerError, a ValueError).
         """
         release_pointer(self, device_pointer(ptr))
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def record_stream(self, ptr, stream, last_use=False):
         """Declare that the memory at `ptr` is also used on `stream`.
 
         When it is freed, it is not reused until the work queued on `stream` up to the free has
         completed. Using the allocation stream itself is a no-op, as is ptr 0.
+
+        A stream object (not an int handle) is kept alive by the allocator until the block's free
+        has recorded its event there: CuPy destroys a stream when its object dies, and recording
+        on a destroyed stream's handle crashes the driver (or, once the handle is handed to a new
+        stream, waits on the wrong work). The reference is dropped at the next record_stream,
+        free, process_events or empty_cache after that. An int handle must stay valid until the
+        free, as with PyTorch's ExternalStream.
 
         last_use=True, during a CUDA-graph capture, also says that the work captured on `stream`
         so far is the block's last use there: with graph_capture_last_use_marks:True (a pyalloc
@@ -467,6 +516,8 @@ cdef class DeviceCachingAllocator:
             return
         cdef Block* b
         cdef uintptr_t used
+        cdef bint pin = False
+        cdef bint is_object = type(stream) is not int and stream is not None
         lock_allocator(self)
         try:
             b = lookup_allocated(self, p)
@@ -476,6 +527,8 @@ cdef class DeviceCachingAllocator:
                         break
                 else:
                     b.stream_uses.push_back(s)
+                    self.stream_use_counts[s] += 1
+                    pin = is_object
                     if self.capture_routes:
                         # Its work up to now was only captured: after the capture these uses do
                         # not need events (PyTorch's block_to_cudagraph_stream_uses).
@@ -484,6 +537,11 @@ cdef class DeviceCachingAllocator:
                 mark_last_use(self, b, s)
         finally:
             self.mutex.unlock()
+        if pin:
+            with self.pins_lock:
+                self.stream_pins[s] = stream
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def empty_cache(self, mempool_id=None):
         """Release cached segments that hold no live block back to the device.
@@ -491,6 +549,7 @@ cdef class DeviceCachingAllocator:
         With no id: every unsplit cached segment of the default pools (skipped, without an error,
         while any route into a private pool is active, as PyTorch since #158152) and of every
         freeable private pool. With a private pool's id: that pool's, if it is freeable.
+        Idle cross-stream events (the event pool) are destroyed too; PyTorch keeps them.
         """
         cdef MempoolId pid
         cdef bint one_pool = mempool_id is not None and tuple(mempool_id) != (0, 0)
@@ -502,8 +561,13 @@ cdef class DeviceCachingAllocator:
                 release_private_pools(self, True, pid)
             else:
                 release_cached_blocks(self)
+            destroy_events(self, False)
         finally:
             self.mutex.unlock()
+        if self.allocation_stream_objects:
+            release_allocation_streams(self)
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def process_events(self):
         """Poll outstanding cross-stream events now (malloc does this on its own)."""
@@ -512,6 +576,8 @@ cdef class DeviceCachingAllocator:
             process_events(self)
         finally:
             self.mutex.unlock()
+        if self.stream_pins:
+            prune_stream_pins(self)
 
     def _lock_held(self):
         """Whether any thread holds this allocator's lock now (for tests)."""
@@ -1272,13 +1338,13 @@ cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint kn
         for b in blocks:
             if b.mapped and b.ptr <= ptr < b.ptr + b.size:
                 if b.allocated:
-                    raise ValueError(f"pointer {ptr:#x} is inside the allocation at {b.ptr:#x} "
-                                     f"({b.size} bytes), not its start")
+                    raise NotAllocatedError(f"pointer {ptr:#x} is inside the allocation at {b.ptr:#x} "
+                                            f"({b.size} bytes), not its start", ptr, b.ptr)
                 known = True
                 break
     if known:
-        raise ValueError(f"pointer {ptr:#x} was already freed (double free)")
-    raise ValueError(f"pointer {ptr:#x} was not allocated by this allocator")
+        raise AlreadyFreedError(f"pointer {ptr:#x} was already freed (double free)", ptr)
+    raise NotAllocatedError(f"pointer {ptr:#x} was not allocated by this allocator", ptr)
 
 
 # ------------------------------------------------------------------------------- routing
@@ -1471,7 +1537,7 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
                 and all_visited(visited, a.capture_uses[b].markers)):
             # The graph orders every later use on `stream` after the block's last uses: no event.
             a.deferred_blocks.erase(a.deferred_blocks.begin() + i)
-            b.stream_uses.clear()
+            forget_stream_uses(a, &b.stream_uses)
             free_completed(a, b)
         else:
             i += 1
@@ -1494,7 +1560,7 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
             best_index = i
     if best != NULL:
         a.deferred_blocks.erase(a.deferred_blocks.begin() + best_index)
-        best.stream_uses.clear()
+        forget_stream_uses(a, &best.stream_uses)
         best.stream = stream            # a whole segment moves to the stream that may use it
         free_completed(a, best)
     return 0
@@ -1516,6 +1582,8 @@ cdef void forget_capture_uses(DeviceCachingAllocator a, Block* b) noexcept:
                 break
         if not captured:
             kept.push_back(s)
+        else:
+            forget_stream_use(a, s)
     b.stream_uses.swap(kept)
     a.capture_uses.erase(it)
 
@@ -1978,9 +2046,15 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
     cdef uintptr_t event
     cdef uintptr_t stream
     cdef size_t done = 0
+    cdef int device
     try:
         for stream in streams:
-            if a.event_pool.empty():
+            # As PyTorch: the event is made and recorded on the stream's own device (an event
+            # and a stream of different contexts cannot be recorded together).
+            device = a.backend.stream_device(stream)
+            if device != a.backend.device:
+                event = take_foreign_event(a, device)
+            elif a.event_pool.empty():
                 a.backend.event_create(&event)
             else:
                 event = a.event_pool.back()
@@ -1988,7 +2062,7 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
             try:
                 a.backend.event_record(event, stream)
             except BaseException:
-                a.event_pool.push_back(event)
+                return_event(a, event)
                 raise
             b.event_count += 1
             a.stream_events[stream].push_back(EventEntry(event, b))
@@ -1998,7 +2072,7 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
         # Undo: the events recorded so far are the newest of their streams' queues.
         for i in range(done):
             stream = streams[i]
-            a.event_pool.push_back(a.stream_events[stream].back().first)
+            return_event(a, a.stream_events[stream].back().first)
             a.stream_events[stream].pop_back()
             if a.stream_events[stream].empty():
                 a.stream_events.erase(stream)
@@ -2006,6 +2080,115 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
             a.outstanding_events -= 1
         b.stream_uses.swap(streams)
         raise
+    # The events hold what is needed of these streams from now on: their uses are over.
+    forget_stream_uses(a, &streams)
+    return 0
+
+
+cdef int destroy_events(DeviceCachingAllocator a, bint outstanding) except -1:
+    """Destroy the idle events of the event pool and, with `outstanding`, the events blocks still
+    wait on (teardown only: those blocks are never freed then). An event whose destroy fails is
+    not used again."""
+    cdef uintptr_t event
+    cdef EventQueues.iterator it
+    if outstanding:
+        it = a.stream_events.begin()
+        while it != a.stream_events.end():
+            while not deref(it).second.empty():
+                event = deref(it).second.front().first
+                deref(it).second.pop_front()
+                a.outstanding_events -= 1
+                a.foreign_event_devices.erase(event)
+                a.backend.event_destroy(event)
+            it = a.stream_events.erase(it)
+    while not a.event_pool.empty():
+        event = a.event_pool.back()
+        a.event_pool.pop_back()
+        a.backend.event_destroy(event)
+    cdef unordered_map[int, vector[uintptr_t]].iterator pool = a.foreign_event_pools.begin()
+    while pool != a.foreign_event_pools.end():
+        while not deref(pool).second.empty():
+            event = deref(pool).second.back()
+            deref(pool).second.pop_back()
+            a.foreign_event_devices.erase(event)
+            a.backend.event_destroy(event)
+        pool = a.foreign_event_pools.erase(pool)
+    return 0
+
+
+cdef inline void forget_stream_use(DeviceCachingAllocator a, uintptr_t stream) noexcept:
+    """One block stream use naming `stream` is over (its event is recorded, or it was dropped)."""
+    it = a.stream_use_counts.find(stream)
+    if it == a.stream_use_counts.end():
+        return
+    if deref(it).second <= 1:
+        a.stream_use_counts.erase(it)
+    else:
+        a.stream_use_counts[stream] = deref(it).second - 1
+
+
+cdef void forget_stream_uses(DeviceCachingAllocator a, vector[uintptr_t]* streams) noexcept:
+    """forget_stream_use for each of `streams`, which the caller then clears."""
+    cdef uintptr_t s
+    for s in deref(streams):
+        forget_stream_use(a, s)
+    streams.clear()
+
+
+cdef int release_allocation_streams(DeviceCachingAllocator a) except -1:
+    """Drop the allocation stream objects (keep_allocation_stream) of which no block is left.
+    As prune_stream_pins: handles read before the lock, objects dropped after it."""
+    cdef vector[uintptr_t] c_handles
+    cdef vector[char] unused
+    cdef vector[Block*] blocks
+    cdef unordered_set[uintptr_t] in_use
+    cdef Block* b
+    cdef size_t i
+    dropped = []
+    with a.pins_lock:
+        handles = list(a.allocation_stream_objects)
+        for h in handles:
+            c_handles.push_back(<uintptr_t>h)
+        unused.resize(c_handles.size(), 0)
+        lock_allocator(a)
+        collect_blocks(a, &blocks)
+        for b in blocks:
+            in_use.insert(b.stream)
+        for i in range(c_handles.size()):
+            if not in_use.count(c_handles[i]):
+                unused[i] = 1
+                a.allocation_streams_kept.erase(c_handles[i])
+        a.mutex.unlock()
+        for i in range(c_handles.size()):
+            if unused[i]:
+                dropped.append(a.allocation_stream_objects.pop(handles[i], None))
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
+    return 0
+
+
+cdef int prune_stream_pins(DeviceCachingAllocator a) except -1:
+    """Drop the stream objects that no block stream use names any more.
+
+    The handles are read into C before the lock and the objects dropped after it: no Python
+    object is made or freed under the lock (dropping a CuPy stream destroys it, and a collection
+    run there could re-enter the allocator)."""
+    cdef vector[uintptr_t] c_handles
+    cdef vector[char] unused
+    cdef size_t i
+    dropped = []
+    with a.pins_lock:
+        handles = list(a.stream_pins)
+        for h in handles:
+            c_handles.push_back(<uintptr_t>h)
+        unused.resize(c_handles.size(), 0)
+        lock_allocator(a)
+        for i in range(c_handles.size()):
+            unused[i] = a.stream_use_counts.count(c_handles[i]) == 0
+        a.mutex.unlock()
+        for i in range(c_handles.size()):
+            if unused[i]:
+                dropped.append(a.stream_pins.pop(handles[i], None))
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
     return 0
 
 
@@ -2050,8 +2233,31 @@ cdef int process_events(DeviceCachingAllocator a) except -1:
     return 0
 
 
-cdef inline void event_done(DeviceCachingAllocator a, uintptr_t event, Block* b) noexcept:
+cdef uintptr_t take_foreign_event(DeviceCachingAllocator a, int device) except? 0:
+    """An idle event of device `device` (not this allocator's), made when none is pooled."""
+    cdef uintptr_t event
+    pool = a.foreign_event_pools.find(device)
+    if pool != a.foreign_event_pools.end() and not deref(pool).second.empty():
+        event = deref(pool).second.back()
+        deref(pool).second.pop_back()
+    else:
+        a.backend.event_create_on(device, &event)
+        a.foreign_event_devices[event] = device
+    return event
+
+
+cdef inline void return_event(DeviceCachingAllocator a, uintptr_t event) noexcept:
+    """Put an idle event back in its device's pool."""
+    if not a.foreign_event_devices.empty():
+        it = a.foreign_event_devices.find(event)
+        if it != a.foreign_event_devices.end():
+            a.foreign_event_pools[deref(it).second].push_back(event)
+            return
     a.event_pool.push_back(event)
+
+
+cdef inline void event_done(DeviceCachingAllocator a, uintptr_t event, Block* b) noexcept:
+    return_event(a, event)
     a.outstanding_events -= 1
     b.event_count -= 1
     if b.event_count == 0:
@@ -2292,6 +2498,8 @@ cdef class Buffer:
         self.stream = stream_handle(stream)
         cdef Block* b = allocate_block(allocator, self.size, self.stream)
         self.ptr = b.ptr if b != NULL else 0
+        if b != NULL and type(stream) is not int and self.stream != 0 and stream is not None:
+            allocator.keep_allocation_stream(self.stream, stream)
 
     @property
     def device(self):

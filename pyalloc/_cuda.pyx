@@ -205,6 +205,10 @@ cdef class CudaDevice(Backend):
     # Executable graph of each graph launched through graph_launch (instantiated on its first
     # launch, destroyed with the graph by graph_destroy), by graph handle.
     cdef unordered_map[uintptr_t, cydriver.CUgraphExec] _graph_execs
+    # Streams of other devices (record_stream with another GPU's stream): those devices' primary
+    # contexts, retained on first use, and the events made in them, with their context.
+    cdef unordered_map[int, cydriver.CUcontext] _other_contexts
+    cdef unordered_map[uintptr_t, cydriver.CUcontext] _other_events
 
     def __init__(self, int device=0):
         cdef cydriver.CUdevice dev = 0
@@ -236,6 +240,7 @@ cdef class CudaDevice(Backend):
                 self._destroy_graph_execs()
             except BaseException:
                 pass
+            self._release_other_contexts()
             try:
                 cydriver.cuDevicePrimaryCtxRelease(self._cudevice)
             except BaseException:
@@ -252,6 +257,15 @@ cdef class CudaDevice(Backend):
         check(first, "cuGraphExecDestroy")
         return 0
 
+    cdef void _release_other_contexts(self) noexcept:
+        # Refcounted like our own (the runtime holds its own reference); nothing to report to.
+        cdef cydriver.CUdevice dev = 0
+        for entry in self._other_contexts:
+            if cydriver.cuDeviceGet(&dev, entry.first) == cydriver.CUDA_SUCCESS:
+                cydriver.cuDevicePrimaryCtxRelease(dev)
+        self._other_contexts.clear()
+        self._other_events.clear()
+
     def close(self):
         """Release the primary context. Raises RuntimeError while segments are still allocated."""
         if not self._retained:
@@ -261,6 +275,7 @@ cdef class CudaDevice(Backend):
                 f"CudaDevice({self.device}) still holds {self.live_segments} segments "
                 f"({self.live_bytes} bytes); free them (empty_cache) before close()")
         self._retained = False
+        self._release_other_contexts()
         try:
             self._destroy_graph_execs()
         finally:
@@ -402,6 +417,8 @@ cdef class CudaDevice(Backend):
         self._check_open()
         cdef cydriver.CUcontext prev = NULL
         cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        if not self._other_events.empty() and self._other_events.count(event):
+            return self._record_in_other_context(event, stream, self._other_events[event])
         with nogil:
             r_enter = self._enter(&prev)
             if r_enter == cydriver.CUDA_SUCCESS:
@@ -410,6 +427,80 @@ cdef class CudaDevice(Backend):
         check(r_enter, "cuCtxSetCurrent")
         check(r_call, "cuEventRecord")
         check(r_leave, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    cdef int _record_in_other_context(self, uintptr_t event, uintptr_t stream,
+                                      cydriver.CUcontext ctx) except -1:
+        """cuEventRecord of an event of another device's context, with that context current
+        (as PyTorch records on the used stream's device)."""
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_enter = cydriver.cuCtxGetCurrent(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_enter = cydriver.cuCtxSetCurrent(ctx)
+            if r_enter == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuEventRecord(<cydriver.CUevent>event, <cydriver.CUstream>stream)
+                if prev != ctx:
+                    r_leave = cydriver.cuCtxSetCurrent(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_call, "cuEventRecord")
+        check(r_leave, "cuCtxSetCurrent")
+        return BACKEND_OK
+
+    cdef int stream_device(self, uintptr_t stream) except -2:
+        # 0, 1, 2: the legacy and per-thread default streams, which mean the current context's
+        # (ours, while we record): this device's.
+        if stream <= 2:
+            return self.device
+        self._check_open()
+        cdef cydriver.CUdevice dev = 0, other = 0
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        with nogil:
+            r_enter = self._enter(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuStreamGetDevice(<cydriver.CUstream>stream, &dev)
+                r_leave = self._leave(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_call, "cuStreamGetDevice")
+        check(r_leave, "cuCtxSetCurrent")
+        if dev == self._cudevice:
+            return self.device
+        for ordinal in range(_device_count):
+            check(cydriver.cuDeviceGet(&other, ordinal), "cuDeviceGet")
+            if other == dev:
+                return ordinal
+        raise ValueError(f"stream {stream:#x} belongs to a CUDA device pyalloc cannot see")
+
+    cdef int event_create_on(self, int device, uintptr_t* event) except -1:
+        if device == self.device:
+            return self.event_create(event)
+        self._check_open()
+        cdef cydriver.CUdevice dev = 0
+        cdef cydriver.CUcontext ctx = NULL, prev = NULL
+        cdef cydriver.CUevent ev = NULL
+        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
+        if not self._other_contexts.count(device):
+            check(cydriver.cuDeviceGet(&dev, device), "cuDeviceGet")
+            with nogil:
+                r_call = cydriver.cuDevicePrimaryCtxRetain(&ctx, dev)
+            check(r_call, "cuDevicePrimaryCtxRetain")
+            self._other_contexts[device] = ctx
+        ctx = self._other_contexts[device]
+        with nogil:
+            r_enter = cydriver.cuCtxGetCurrent(&prev)
+            if r_enter == cydriver.CUDA_SUCCESS and prev != ctx:
+                r_enter = cydriver.cuCtxSetCurrent(ctx)
+            if r_enter == cydriver.CUDA_SUCCESS:
+                r_call = cydriver.cuEventCreate(&ev, cydriver.CU_EVENT_DISABLE_TIMING)
+                if prev != ctx:
+                    r_leave = cydriver.cuCtxSetCurrent(prev)
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_call, "cuEventCreate")
+        check(r_leave, "cuCtxSetCurrent")
+        event[0] = <uintptr_t>ev
+        self._other_events[event[0]] = ctx
         return BACKEND_OK
 
     cdef int event_query(self, uintptr_t event) except -1:
@@ -432,6 +523,8 @@ cdef class CudaDevice(Backend):
 
     cdef int event_destroy(self, uintptr_t event) except -1:
         self._check_open()
+        if not self._other_events.empty():
+            self._other_events.erase(event)
         check(cydriver.cuEventDestroy(<cydriver.CUevent>event), "cuEventDestroy")
         return BACKEND_OK
 

@@ -145,6 +145,21 @@ cdef class FrameworkMalloc:
         self._detected = still
         return 0
 
+    cdef inline int _keep_stream(self, DeviceCachingAllocator alloc, uintptr_t stream) except -1:
+        """The framework destroys a stream when its object dies and the driver recycles the handle:
+        the allocator keeps the current stream's object alive while it holds blocks of that stream
+        (DeviceCachingAllocator.keep_allocation_stream). One lookup under the allocator's lock per
+        allocation off the default stream; the stream object is fetched once per stream."""
+        alloc.lock()
+        cdef bint kept = alloc.allocation_streams_kept.count(stream) != 0
+        alloc.unlock()
+        if kept:
+            return 0
+        current = self._current_stream()
+        if stream_handle(current.ptr) == stream:
+            alloc.keep_allocation_stream(stream, current)
+        return 0
+
     @property
     def uses_c_entry_points(self):
         """True when the device and stream are read through the framework's C functions."""
@@ -179,6 +194,8 @@ cdef class FrameworkMalloc:
             stream = stream_handle(self._current_stream().ptr)
         if self._detect_capture and (stream != 0 or self._detected):
             self._check_capture(<DeviceCachingAllocator?>alloc, stream)
+        if stream != 0:
+            self._keep_stream(<DeviceCachingAllocator?>alloc, stream)
         cdef Buffer buf = Buffer.__new__(Buffer)
         buf.allocator = <DeviceCachingAllocator?>alloc
         buf.size = size

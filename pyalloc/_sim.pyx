@@ -8,6 +8,17 @@ It is a real backend, not a test double: `pyalloc replay` and `pyalloc tune` run
   queued with `place_segments` (how a replay puts segments where PyTorch's driver put them);
 * streams with pending work: `launch(stream)` queues a unit of work, `complete(stream)` finishes
   queued work in order, `synchronize()` finishes everything;
+* stream lifetime as the driver has it: `destroy_stream(stream)` (cuStreamDestroy) returns at once
+  and the work already queued there still runs to completion (events recorded before stay valid,
+  `synchronize()` finishes that work), but the handle is dead: recording an event on it, launching
+  or waiting on it is CUDA_ERROR_INVALID_HANDLE (where the real driver may crash instead), and the
+  next `create_stream()` hands the same handle out again, for an unrelated stream;
+* devices of streams and events: streams made by a SimDevice of ordinal d > 0 have handles in
+  [d * 2**40, (d + 1) * 2**40), so any SimDevice can tell a stream of another device (smaller
+  handles are its own); an event belongs to the device it was created for (`event_create_on`),
+  and recording it on a stream of another device is CUDA_ERROR_INVALID_HANDLE, as cuEventRecord
+  refuses an event and a stream of different contexts. (Work on another device's stream is what
+  is launched on it through this SimDevice: each SimDevice keeps the stream states it is told of.)
 * events that complete only when the work queued on their stream before the record completes;
 * cross-stream waits: work launched on a stream after `wait_event` cannot complete before the event;
 * virtual memory for expandable segments: address-space reservations (deterministic, or queued with
@@ -84,6 +95,12 @@ cdef size_t MiB = 1 << 20
 cdef size_t GiB = 1 << 30
 cdef size_t TOP_DOWN_RANGE = <size_t>1 << 40    # top_down places segments below base_address + this
 cdef size_t GRANULE = 2 * MiB      # mapping granularity of the simulated virtual memory
+# Work still queued on a destroyed stream runs on under an internal handle from here up (no
+# handle a caller uses), so that its events complete as that work does, whoever gets the handle.
+cdef uintptr_t ORPHAN_STREAMS = <uintptr_t>1 << 63
+# Streams of device d (d > 0) are numbered from d * DEVICE_STREAMS up; handles below
+# DEVICE_STREAMS (0, the per-thread handles, small ints tests use) are every device's own.
+cdef uintptr_t DEVICE_STREAMS = <uintptr_t>1 << 40
 
 
 cdef struct Barrier:
@@ -105,6 +122,7 @@ cdef struct EventState:
     bint recorded
     uint64_t seq           # when it was last recorded
     bint captured          # last recorded in a capture: SimDevice._event_capture holds its nodes
+    int device             # the device it was created for
 
 
 # Stream capture. None of this is on a path that runs while no capture is underway: those paths
@@ -217,6 +235,9 @@ cdef class SimDevice(Backend):
     cdef dict _reservation_placements                  # bytes -> list of queued base addresses
     cdef readonly uintptr_t reservation_base
     cdef uintptr_t _next_stream
+    cdef unordered_set[uintptr_t] _destroyed_streams    # handles destroyed and not handed out again
+    cdef vector[uintptr_t] _reusable_streams           # the same, most recently destroyed last
+    cdef uintptr_t _next_orphan                        # internal handles of destroyed streams' work
     cdef uintptr_t _next_event
     cdef uint64_t _seq                                 # orders event records and waits
     cdef public dict counters
@@ -251,7 +272,8 @@ cdef class SimDevice(Backend):
         self._reservation_placements = {}
         self.reservation_base = 0x200000000000
         self._pending_placements = 0
-        self._next_stream = 1
+        self._next_stream = 1 + <uintptr_t>device * DEVICE_STREAMS if 0 < device < 4096 else 1
+        self._next_orphan = ORPHAN_STREAMS
         self._next_event = 1
         self.counters = dict.fromkeys(
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
@@ -618,11 +640,61 @@ cdef class SimDevice(Backend):
     # ---------------------------------------------------------------- streams and work
 
     def create_stream(self):
-        """A new stream handle (a positive int; 0 is the default stream)."""
-        cdef uintptr_t s = self._next_stream
-        self._next_stream += 1
+        """A new stream handle (a positive int; 0 is the default stream). As the driver does, the
+        handle of the most recently destroyed stream is handed out again first."""
+        cdef uintptr_t s
+        if not self._reusable_streams.empty():
+            s = self._reusable_streams.back()
+            self._reusable_streams.pop_back()
+            self._destroyed_streams.erase(s)
+        else:
+            s = self._next_stream
+            self._next_stream += 1
         self._streams[s] = StreamState(0, 0)
         return s
+
+    def destroy_stream(self, uintptr_t stream):
+        """Destroy `stream` (cuStreamDestroy): returns at once; the work queued on it still
+        completes (on synchronize(), or when an event recorded before is synchronized), but the
+        handle is dead until create_stream() hands it out again. CudaError INVALID_HANDLE for
+        stream 0, a destroyed stream or one in a capture (the driver refuses those too)."""
+        self._check_stream_alive(stream, "cuStreamDestroy")
+        if stream == 0 or stream >= ORPHAN_STREAMS or (self._live and stream in self._capture_of):
+            raise CudaError("cuStreamDestroy", 400, "CUDA_ERROR_INVALID_HANDLE",
+                            f"SimDevice: stream {stream} cannot be destroyed (the legacy stream, or "
+                            "a stream in a capture)")
+        cdef uintptr_t orphan = self._next_orphan
+        self._next_orphan += 1
+        cdef StreamState state = self._streams[stream]
+        self._streams.erase(stream)
+        self._streams[orphan] = state
+        if self._barriers.count(stream):
+            self._barriers[orphan] = self._barriers[stream]
+            self._barriers.erase(stream)
+        # Events recorded on it and waits on it elsewhere now follow the orphaned work.
+        cdef pair[uintptr_t, EventState] ev
+        for ev in self._events:
+            if ev.second.stream == stream:
+                self._events[ev.first].stream = orphan
+        cdef pair[uintptr_t, deque[Barrier]] queue
+        cdef size_t i
+        for queue in self._barriers:
+            for i in range(queue.second.size()):
+                if queue.second[i].stream == stream:
+                    self._barriers[queue.first][i].stream = orphan
+        self._destroyed_streams.insert(stream)
+        self._reusable_streams.push_back(stream)
+
+    def is_destroyed(self, uintptr_t stream):
+        """True when `stream` was destroyed and its handle not handed out again."""
+        return self._destroyed_streams.count(stream) != 0
+
+    cdef inline int _check_stream_alive(self, uintptr_t stream, str call) except -1:
+        if not self._destroyed_streams.empty() and self._destroyed_streams.count(stream):
+            raise CudaError(call, 400, "CUDA_ERROR_INVALID_HANDLE",
+                            f"SimDevice: stream {stream} was destroyed (cuStreamDestroy); a "
+                            "driver may crash on such a handle")
+        return 0
 
     cdef StreamState* _stream(self, uintptr_t stream):
         # operator[] default-constructs: every int is a usable stream handle.
@@ -635,6 +707,7 @@ cdef class SimDevice(Backend):
         (worth `count` units of work when the graph is launched, touching the device pointers in
         `uses`) and returns the node's handle. Outside capture `uses` is ignored.
         """
+        self._check_stream_alive(stream, "cuLaunchKernel")
         if self._live and stream in self._capture_of:
             return self._capture_launch(stream, count, uses)
         cdef StreamState* s = self._stream(stream)
@@ -735,6 +808,7 @@ cdef class SimDevice(Backend):
 
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         self.counters["stream_synchronize"] += 1
+        self._check_stream_alive(stream, "cuStreamSynchronize")
         if self._live:
             self._stream_sync_in_capture(stream)
         self._finish(stream, self._stream(stream).launched, self._seq + 1)
@@ -745,9 +819,27 @@ cdef class SimDevice(Backend):
     cdef int event_create(self, uintptr_t* event) except -1:
         self.counters["event_create"] += 1
         event[0] = self._next_event
-        self._events[self._next_event] = EventState(0, 0, False, 0, False)
+        self._events[self._next_event] = EventState(0, 0, False, 0, False, self.device)
         self._next_event += 1
         return BACKEND_OK
+
+    cdef int event_create_on(self, int device, uintptr_t* event) except -1:
+        self.event_create(event)
+        self._events[event[0]].device = device
+        return BACKEND_OK
+
+    cdef int stream_device(self, uintptr_t stream) except -2:
+        if stream < DEVICE_STREAMS or stream >= ORPHAN_STREAMS:
+            return self.device
+        return <int>(stream // DEVICE_STREAMS)
+
+    def device_of_stream(self, uintptr_t stream):
+        """The ordinal of the device `stream` belongs to (see the module doc)."""
+        return self.stream_device(stream)
+
+    def device_of_event(self, uintptr_t event):
+        """The ordinal of the device `event` was created for."""
+        return self._event(event).device
 
     cdef EventState* _event(self, uintptr_t event) except NULL:
         cdef unordered_map[uintptr_t, EventState].iterator it = self._events.find(event)
@@ -758,7 +850,13 @@ cdef class SimDevice(Backend):
     cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
         self._driver_latency()
         self.counters["event_record"] += 1
+        self._check_stream_alive(stream, "cuEventRecord")
         cdef EventState* e = self._event(event)
+        if e.device != self.stream_device(stream):
+            raise CudaError("cuEventRecord", 400, "CUDA_ERROR_INVALID_HANDLE",
+                            f"SimDevice: event {event} of device {e.device} cannot be recorded on "
+                            f"stream {stream:#x} of device {self.stream_device(stream)} (an event "
+                            "and its stream must share a context)")
         if self._live and stream in self._capture_of:
             return self._capture_record(event, e, stream)
         if e.captured:
@@ -837,6 +935,7 @@ cdef class SimDevice(Backend):
         stream's terminals; an ordinary event is an isolation error, unless `external`
         (cudaEventWaitExternal), which adds an event-wait node. Outside capture `external` is
         ignored."""
+        self._check_stream_alive(stream, "cuStreamWaitEvent")
         cdef EventState* e = self._event(event)
         if e.captured or (self._live and stream in self._capture_of):
             self._capture_wait(stream, event, e, external)
@@ -859,6 +958,7 @@ cdef class SimDevice(Backend):
 
     cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
         self.counters["capture_begin"] += 1
+        self._check_stream_alive(stream, "cuStreamBeginCapture")
         if mode < CAPTURE_GLOBAL or mode > CAPTURE_RELAXED:
             raise ValueError(f"SimDevice: capture mode must be CAPTURE_GLOBAL (0), CAPTURE_THREAD_LOCAL "
                              f"(1) or CAPTURE_RELAXED (2), got {mode}")
@@ -954,6 +1054,7 @@ cdef class SimDevice(Backend):
     cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
                           vector[uintptr_t]* terminals) except -1:
         self.counters["capture_info"] += 1
+        self._check_stream_alive(stream, "cuStreamGetCaptureInfo")
         if not self._live:
             return 0
         cap = self._capture_of.get(stream)

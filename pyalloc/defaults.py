@@ -16,6 +16,7 @@ import sys
 import threading
 
 from pyalloc.allocator import CachingAllocator
+from pyalloc.errors import NotAllocatedError
 
 _lock = threading.RLock()
 _allocators = {}            # device ordinal -> CachingAllocator
@@ -183,14 +184,11 @@ def _owner_call(ptr, method, *args):
     for alloc in allocs:
         try:
             return getattr(alloc, method)(ptr, *args)
-        except ValueError as exc:
-            # The core's two pointer errors: "not allocated by this allocator" (try the next one)
-            # and "already freed" (the owner found a double free: report it).
-            if "already freed" in str(exc):
-                raise
+        except NotAllocatedError:
+            pass            # not this allocator's: try the next one (AlreadyFreedError propagates)
     devices = ", ".join(str(a.device) for a in allocs) or "none made yet"
-    raise ValueError(
-        f"pointer {ptr:#x} was not allocated by pyalloc's default allocators (devices: {devices})")
+    raise NotAllocatedError(
+        f"pointer {ptr:#x} was not allocated by pyalloc's default allocators (devices: {devices})", ptr)
 
 
 def free(ptr, device=None):
@@ -278,9 +276,7 @@ def record_stream(obj, stream, last_use=False):
         return
     try:
         return _owner_call(ptr, "record_stream", stream, last_use)
-    except ValueError as exc:
-        if "already freed" in str(exc):
-            raise
+    except NotAllocatedError:
         alloc, base = _containing_block(ptr)
         if alloc is None:
             raise

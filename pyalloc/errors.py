@@ -43,5 +43,28 @@ class CudaError(RuntimeError):
         super().__init__(f"{call} failed with {name or 'CUresult'} {self.result}{detail}")
 
 
+class PointerError(ValueError):
+    """A pointer given to free or record_stream is not a live allocation of the allocator.
+    Attribute: ptr (the address, an int). A ValueError, as before these classes existed."""
+
+    def __init__(self, message, ptr):
+        super().__init__(message)
+        self.ptr = ptr
+
+
+class NotAllocatedError(PointerError):
+    """The allocator never handed out `ptr` (or its segment is gone). Attribute allocation: the
+    start of the live allocation `ptr` lies inside, or None."""
+
+    def __init__(self, message, ptr, allocation=None):
+        super().__init__(message, ptr)
+        self.allocation = allocation
+
+
+class AlreadyFreedError(PointerError):
+    """`ptr` lies in memory this allocator handed out and that has been freed (a double free, or
+    a use after free)."""
+
+
 class NoCudaDriverError(RuntimeError):
     """The CUDA backend was asked for, but no driver or no GPU is available."""

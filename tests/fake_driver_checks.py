@@ -20,6 +20,7 @@ fake.fake_used.restype = ctypes.c_size_t
 fake.fake_fail_next.argtypes = [ctypes.c_char_p, ctypes.c_int]
 fake.fake_launch.argtypes = [ctypes.c_size_t, ctypes.c_ulonglong]
 fake.fake_complete.argtypes = [ctypes.c_size_t]
+fake.fake_set_stream_device.argtypes = [ctypes.c_size_t, ctypes.c_int]
 fake.fake_fail_after.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
 fake.fake_capture_node.restype = ctypes.c_size_t
 fake.fake_capture_node.argtypes = [ctypes.c_size_t, ctypes.c_int]
@@ -214,6 +215,27 @@ def record_stream_defers_reuse_until_the_event_completes():
         a.free(again)
     out.append(fake.fake_count(b"event_create") - creates_before)
     out.append(fake.fake_count(b"event_flags"))
+    a.empty_cache()
+    return out
+
+
+@scenario
+def record_stream_on_another_devices_stream():
+    """A block of device 0 used on a stream of device 1: the free's event is made and recorded in
+    device 1's context (the fake, as the driver, refuses an event and a stream of two contexts)."""
+    a = cuda_allocator(0)
+    fake.fake_set_stream_device(41, 1)
+    refs_before = fake.fake_refcount(1)
+    ptr = a.malloc(MiB)
+    fake.fake_launch(41, 1)
+    a.record_stream(ptr, 41)
+    a.free(ptr)
+    busy = a.malloc(MiB)
+    fake.fake_complete(41)
+    again = a.malloc(MiB)
+    out = [busy != ptr, again == ptr, fake.fake_refcount(1) - refs_before]
+    a.free(busy)
+    a.free(again)
     a.empty_cache()
     return out
 

@@ -69,12 +69,13 @@ struct graph { unsigned long long capture_id; size_t n_nodes; long launches;
 struct exec { struct graph *graph; };
 struct stream {
     uintptr_t handle; unsigned long long launched, completed;
+    int device;                        /* fake_set_stream_device's, else -1: the current context's */
     int capture;                       /* CAPTURE_NONE / ACTIVE / INVALIDATED */
     int capture_mode; const void *capture_thread; unsigned long long capture_id;
     struct graph *graph; size_t n_terminals; struct node *terminals[MAX_DEPS];
 };
 struct event { unsigned magic; uintptr_t stream; unsigned long long target; int recorded; unsigned flags;
-               int captured; };
+               int captured; int device; };
 struct phys { unsigned long long handle; size_t size; int device; int live; };
 
 static int initialized, n_devices = 2;
@@ -152,6 +153,7 @@ static struct stream *get_stream(uintptr_t h) {
         if (streams[i].handle == h) return &streams[i];
     if (n_streams == MAX_STREAMS) return &streams[MAX_STREAMS - 1];
     streams[n_streams].handle = h;
+    streams[n_streams].device = -1;
     return &streams[n_streams++];
 }
 
@@ -316,6 +318,7 @@ CUresult cuEventCreate(struct event **ev, unsigned flags) {
     struct event *e = calloc(1, sizeof *e);
     e->magic = EVENT_MAGIC;
     e->flags = flags;
+    e->device = current->device;
     last_event_flags = flags;
     *ev = e;
     calls_event_create++;
@@ -328,6 +331,8 @@ CUresult cuEventRecord(struct event *e, uintptr_t stream) {
     if (!current) return ERR_INVALID_CONTEXT;
     if (!e || e->magic != EVENT_MAGIC) return ERR_INVALID_HANDLE;
     struct stream *s = get_stream(stream);
+    /* The real driver refuses an event and a stream of different contexts. */
+    if (stream > 2 && (s->device >= 0 ? s->device : current->device) != e->device) return ERR_INVALID_HANDLE;
     e->stream = stream;
     e->target = s->launched;
     e->recorded = 1;
@@ -362,6 +367,14 @@ CUresult cuEventDestroy(struct event *e) {
     if (!e || e->magic != EVENT_MAGIC) return ERR_INVALID_HANDLE;
     e->magic = 0;
     free(e);
+    return SUCCESS;
+}
+
+CUresult cuStreamGetDevice(uintptr_t stream, CUdevice *dev) {
+    struct stream *s = get_stream(stream);
+    if (s->device >= 0) { *dev = s->device; return SUCCESS; }
+    if (!current) return ERR_INVALID_CONTEXT;
+    *dev = current->device;
     return SUCCESS;
 }
 
@@ -701,6 +714,8 @@ void fake_fail_after(const char *name, int skip, int code) {
     fail_code = code;
     fail_skip = skip;
 }
+void fake_set_stream_device(uintptr_t stream, int dev) { get_stream(stream)->device = dev; }
+int fake_event_device(uintptr_t event) { return ((struct event *)event)->device; }
 void fake_complete(uintptr_t stream) { struct stream *s = get_stream(stream); s->completed = s->launched; }
 void fake_fail_next(const char *name, int code) {
     strncpy(fail_name, name, sizeof fail_name - 1);
@@ -742,7 +757,7 @@ static const struct { const char *name; void *fn; } table[] = {
     F(cuDevicePrimaryCtxRetain), F(cuDevicePrimaryCtxRelease), F(cuCtxGetCurrent),
     F(cuCtxSetCurrent), F(cuCtxGetDevice), F(cuMemAlloc), F(cuMemFree), F(cuMemGetInfo),
     F(cuPointerGetAttribute), F(cuEventCreate), F(cuEventRecord), F(cuEventQuery),
-    F(cuEventSynchronize), F(cuEventDestroy), F(cuStreamSynchronize), F(cuCtxSynchronize),
+    F(cuEventSynchronize), F(cuEventDestroy), F(cuStreamSynchronize), F(cuStreamGetDevice), F(cuCtxSynchronize),
     F(cuGetErrorName), F(cuGetErrorString),
     F(cuMemGetAllocationGranularity), F(cuDeviceCanAccessPeer), F(cuMemAddressReserve),
     F(cuMemAddressFree), F(cuMemCreate), F(cuMemRelease), F(cuMemMap), F(cuMemUnmap),

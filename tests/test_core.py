@@ -1,8 +1,12 @@
 """Specification of the caching allocator core: PyTorch's native allocator rules, one per test.
 
-Every test runs on a SimDevice, so device memory, segment addresses, streams and events are
-deterministic and observable. Expected values come from the rules in
-shared/reference/pytorch-allocator.md (sections 1, 2 and 5), worked out by hand in each test.
+A conformance suite: every test runs on SimDevice ([sim]) and, where a GPU is present, on the real
+device ([cuda]; skipped with the reason elsewhere), through make(), which gives the test a device
+with SimDevice's test API (tests/backends.py: on the GPU, streams whose work waits on host flags).
+The few tests that need what only the simulator has (a device of a chosen size, counts of backend
+calls, chosen segment addresses, a hook inside a segment allocation) say so with @sim_only(reason).
+On the GPU every test's allocator is emptied afterwards and must hold nothing. Expected values come
+from the rules in shared/reference/pytorch-allocator.md (sections 1, 2 and 5), worked out by hand.
 """
 
 import gc
@@ -11,6 +15,7 @@ import math
 import pytest
 
 from pyalloc import Buffer, CachingAllocator, OutOfMemoryError, SimDevice
+from backends import CudaTestDevice, cuda_unavailable_reason
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -28,10 +33,53 @@ ALL_KEYS = sorted(
     + list(SCALARS))
 
 
-def make(config="", total_memory=80 * GiB):
-    """A SimDevice and a CachingAllocator on it with an explicit config (no environment)."""
-    sim = SimDevice(total_memory)
-    return sim, CachingAllocator(backend=sim, config=config)
+DEFAULT_SIM_MEMORY = 80 * GiB
+_backend = "sim"          # the running test's backend (the `backend` fixture sets it)
+_made = []                # the GPU devices the running test made, emptied and closed after it
+
+
+def sim_only(reason):
+    """Mark a test that runs on SimDevice only; `reason` names what only the simulator has."""
+    def mark(test):
+        test.sim_only = reason
+        return test
+    return mark
+
+
+@pytest.fixture(autouse=True, params=["sim", "cuda"])
+def backend(request):
+    """Every test once per backend: SimDevice, and the GPU where there is one."""
+    global _backend
+    if request.param == "cuda":
+        reason = getattr(request.function, "sim_only", None)
+        if reason is not None:
+            pytest.skip(f"SimDevice only: {reason}")
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+    _backend = request.param
+    try:
+        yield request.param
+    finally:
+        _backend = "sim"
+        made = list(_made)
+        _made.clear()
+        leftover = [dev.close() for dev in made]
+    assert not any(leftover), f"the GPU allocators still reserved {leftover} bytes after the test"
+
+
+def make(config="", total_memory=DEFAULT_SIM_MEMORY):
+    """A device and a CachingAllocator on it with an explicit config (no environment): a SimDevice
+    of `total_memory` bytes, or on the [cuda] run the GPU (tests/backends.py's CudaTestDevice)."""
+    if _backend == "sim":
+        sim = SimDevice(total_memory)
+        return sim, CachingAllocator(backend=sim, config=config)
+    assert total_memory == DEFAULT_SIM_MEMORY, "a test that needs a device of its own size is @sim_only"
+    alloc = CachingAllocator(backend="cuda", config=config)
+    dev = CudaTestDevice(alloc.backend)
+    dev.alloc = alloc
+    _made.append(dev)
+    return dev, alloc
 
 
 def stat(alloc, key):
@@ -112,6 +160,7 @@ def test_requests_round_up_to_a_multiple_of_512(size, rounded):
     assert stat(alloc, "allocated_bytes.all.current") == rounded
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_zero_bytes_gives_null_pointer_and_no_allocation():
     sim, alloc = make()
     before = alloc.memory_stats()
@@ -240,6 +289,7 @@ def test_best_fit_prefers_an_exact_fit_over_a_larger_block():
     assert alloc.malloc(12 * MiB) == exact
 
 
+@sim_only("puts segments at chosen addresses (SimDevice.place_segments)")
 def test_best_fit_breaks_ties_by_lowest_address():
     sim, alloc = make()
     high, low = 0x300000000, 0x200000000
@@ -375,6 +425,7 @@ def test_free_merges_with_both_neighbours_into_one_segment_block():
     assert sim.segments() == []
 
 
+@sim_only("needs two segments placed next to each other (SimDevice's first-fit placement)")
 def test_blocks_of_adjacent_segments_never_merge():
     sim, alloc = make()
     ptrs = [alloc.malloc(1 * MiB) for _ in range(3)]    # fills one 2 MiB segment, starts a second
@@ -442,6 +493,7 @@ def test_max_split_size_stat_reports_the_setting_in_bytes():
     assert stat(make()[1], "max_split_size") == -1
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_failed_allocation_releases_a_cached_oversize_block_first():
     sim, alloc = make("max_split_size_mb:20", total_memory=48 * MiB)
     p = alloc.malloc(40 * MiB)
@@ -455,6 +507,7 @@ def test_failed_allocation_releases_a_cached_oversize_block_first():
     assert s["num_sync_all_streams"] == 0
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_failed_allocation_releases_oversize_blocks_largest_first_until_enough():
     sim, alloc = make("max_split_size_mb:20", total_memory=80 * MiB)
     blocks = {size: alloc.malloc(size) for size in (22 * MiB, 24 * MiB, 26 * MiB)}
@@ -467,6 +520,7 @@ def test_failed_allocation_releases_oversize_blocks_largest_first_until_enough()
     assert stat(alloc, "num_alloc_retries") == 0
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_oversize_release_only_touches_the_requesting_stream():
     sim, alloc = make("max_split_size_mb:20", total_memory=48 * MiB)
     s1 = sim.create_stream()
@@ -479,6 +533,7 @@ def test_oversize_release_only_touches_the_requesting_stream():
 
 # =============================================================================== OOM ladder
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_full_flush_and_retry_is_counted():
     sim, alloc = make(total_memory=24 * MiB)
     s1 = sim.create_stream()
@@ -491,6 +546,7 @@ def test_full_flush_and_retry_is_counted():
     assert sim.segments() == [(q, 14 * MiB)]
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_full_flush_keeps_split_segments_with_live_blocks():
     sim, alloc = make(total_memory=24 * MiB)
     live = alloc.malloc(512)                     # its 2 MiB segment is split: kept
@@ -508,6 +564,7 @@ def oom_setup():
     return sim, alloc, live, info.value
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_out_of_memory_error_carries_the_figures():
     sim, alloc, live, err = oom_setup()
     assert isinstance(err, MemoryError)
@@ -521,6 +578,7 @@ def test_out_of_memory_error_carries_the_figures():
     assert err.device == 0
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_out_of_memory_message_names_the_sizes():
     sim, alloc, live, err = oom_setup()
     msg = str(err)
@@ -529,6 +587,7 @@ def test_out_of_memory_message_names_the_sizes():
     assert "22.00 MiB is free" in msg
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_out_of_memory_reports_the_segment_size_it_tried():
     sim, alloc = make(total_memory=16 * MiB)
     with pytest.raises(OutOfMemoryError) as info:
@@ -537,6 +596,7 @@ def test_out_of_memory_reports_the_segment_size_it_tried():
     assert "Tried to allocate 20.00 MiB" in str(info.value)
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_out_of_memory_is_counted_and_changes_no_allocation():
     sim, alloc, live, err = oom_setup()
     s = alloc.memory_stats()
@@ -546,6 +606,7 @@ def test_out_of_memory_is_counted_and_changes_no_allocation():
     alloc._check_invariants()
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_allocator_stays_usable_after_out_of_memory():
     sim, alloc, live, err = oom_setup()
     alloc.free(live)
@@ -556,6 +617,7 @@ def test_allocator_stays_usable_after_out_of_memory():
     alloc._check_invariants()
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_oom_observers_are_called_with_device_size_total_and_free():
     sim, alloc = make(total_memory=24 * MiB)
     calls = []
@@ -567,6 +629,7 @@ def test_oom_observers_are_called_with_device_size_total_and_free():
 
 # =============================================================================== memory fraction
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_memory_fraction_caps_reserved_memory():
     sim, alloc = make(total_memory=100 * MiB)
     alloc.set_memory_fraction(0.5)               # 50 MiB
@@ -579,6 +642,7 @@ def test_memory_fraction_caps_reserved_memory():
     assert alloc.get_memory_fraction() == 0.5
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_memory_fraction_counts_cached_segments_and_flushes_them():
     sim, alloc = make(total_memory=100 * MiB)
     alloc.set_memory_fraction(0.5)
@@ -589,6 +653,7 @@ def test_memory_fraction_counts_cached_segments_and_flushes_them():
     assert stat(alloc, "reserved_bytes.all.current") == 12 * MiB
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_memory_fraction_of_one_removes_the_cap():
     sim, alloc = make(total_memory=100 * MiB)
     alloc.set_memory_fraction(0.5)
@@ -597,6 +662,7 @@ def test_memory_fraction_of_one_removes_the_cap():
     assert stat(alloc, "reserved_bytes.all.current") == 80 * MiB
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_memory_fraction_from_config():
     sim, alloc = make("per_process_memory_fraction:0.25", total_memory=100 * MiB)
     assert alloc.get_memory_fraction() == 0.25
@@ -615,6 +681,7 @@ def test_memory_fraction_of_wrong_type_is_a_type_error(bad):
     assert alloc.get_memory_fraction() == 0.5
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 @pytest.mark.parametrize("bad", [1.5, -0.1, 2, math.nan, math.inf])
 def test_memory_fraction_out_of_range_is_a_value_error(bad):
     sim, alloc = make(total_memory=100 * MiB)
@@ -651,6 +718,7 @@ def gc_scenario(alloc, sim):
     return S, A, B
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_garbage_collection_releases_blocks_older_than_average_until_target():
     sim, alloc = make("garbage_collection_threshold:0.5", total_memory=200 * MiB)
     alloc.set_memory_fraction(0.5)               # allowed 100 MiB, GC above 50 MiB
@@ -664,6 +732,7 @@ def test_garbage_collection_releases_blocks_older_than_average_until_target():
     assert stat(alloc, "num_alloc_retries") == 0 and stat(alloc, "num_sync_all_streams") == 0
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_garbage_collection_releases_every_block_at_least_as_old_as_average():
     sim, alloc = make("garbage_collection_threshold:0.5", total_memory=200 * MiB)
     alloc.set_memory_fraction(0.5)               # GC above 50 MiB
@@ -677,6 +746,7 @@ def test_garbage_collection_releases_every_block_at_least_as_old_as_average():
     assert [size for _, size in sim.segments()] == [14 * MiB]
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_garbage_collection_does_nothing_without_a_memory_fraction():
     sim, alloc = make("garbage_collection_threshold:0.5", total_memory=200 * MiB)
     gc_scenario(alloc, sim)
@@ -684,6 +754,7 @@ def test_garbage_collection_does_nothing_without_a_memory_fraction():
     assert len(sim.segments()) == 4
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_garbage_collection_does_nothing_without_a_threshold():
     sim, alloc = make(total_memory=200 * MiB)
     alloc.set_memory_fraction(0.5)
@@ -691,6 +762,7 @@ def test_garbage_collection_does_nothing_without_a_threshold():
     assert stat(alloc, "num_device_free") == 0
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_garbage_collection_keeps_reserved_memory_below_the_threshold():
     sim, alloc = make("garbage_collection_threshold:0.9", total_memory=200 * MiB)
     alloc.set_memory_fraction(0.5)               # GC only above 90 MiB; the scenario peaks at 72
@@ -698,6 +770,7 @@ def test_garbage_collection_keeps_reserved_memory_below_the_threshold():
     assert stat(alloc, "num_device_free") == 0
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_garbage_collection_skips_split_segments():
     sim, alloc = make("garbage_collection_threshold:0.1", total_memory=200 * MiB)
     alloc.set_memory_fraction(0.5)               # GC above 5 MiB
@@ -772,6 +845,7 @@ def test_record_stream_block_counts_as_active_until_events_complete():
     alloc._check_invariants()
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_record_stream_on_the_allocation_stream_is_a_no_op():
     sim, alloc = make()
     s1 = sim.create_stream()
@@ -785,12 +859,14 @@ def test_record_stream_on_the_allocation_stream_is_a_no_op():
     assert alloc.malloc(512, s1) == p            # same-stream reuse needs no event
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_record_stream_of_null_pointer_is_a_no_op():
     sim, alloc = make()
     alloc.record_stream(0, sim.create_stream())
     assert sim.counters["event_create"] == 0
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_record_stream_events_are_reused():
     sim, alloc = make()
     s1 = sim.create_stream()
@@ -805,6 +881,7 @@ def test_record_stream_events_are_reused():
     assert sim.counters["event_record"] == 3
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_record_stream_same_stream_twice_records_one_event():
     sim, alloc = make()
     s1 = sim.create_stream()
@@ -990,6 +1067,7 @@ def test_reset_peak_memory_stats_sets_peaks_to_current():
     assert alloc.max_memory_allocated() == 1024
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory figures")
 def test_reset_accumulated_memory_stats_zeroes_totals_and_counters():
     sim, alloc = make(total_memory=24 * MiB)
     alloc.malloc(1000)
@@ -1055,11 +1133,12 @@ def test_memory_summary_lines_all_have_one_width():
     s1 = sim.create_stream()
     kept = [alloc.malloc(n, stream=st) for n in (1000, 3 * MiB, 700 * MiB) for st in (0, s1)]
     alloc.free(kept.pop())
-    for summary in (CachingAllocator(backend=SimDevice()).memory_summary(), alloc.memory_summary()):
+    for summary in (CachingAllocator(backend=SimDevice(), config="").memory_summary(), alloc.memory_summary()):
         widths = {len(line) for line in summary.splitlines()}
         assert widths == {80}, widths
 
 
+@sim_only("formats made-up statistics: no device involved")
 def test_memory_summary_widens_its_columns_for_long_values_and_stays_one_width():
     # Totals of a long run outgrow 10 characters ("1023.99 MiB", "123456.00 GiB", 10**12 counts).
     from pyalloc.allocator import format_memory_summary
@@ -1150,6 +1229,7 @@ def test_buffer_bad_size_allocates_nothing():
 
 # =============================================================================== hot path
 
+@sim_only("counts backend calls (SimDevice.counters)")
 @pytest.mark.parametrize("size", [4 * KiB, 1 * MiB, 3 * MiB, 12 * MiB])
 def test_cache_hit_makes_no_backend_call(size):
     sim, alloc = make()
@@ -1279,6 +1359,7 @@ def test_bad_stream_is_rejected_by_malloc_with_state_unchanged(busy, stream, exc
     assert_rejected(alloc, sim, lambda: alloc.malloc(1000, stream), exc, text)
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 @pytest.mark.parametrize("stream,exc,text", [("s1", TypeError, "'s1'"), (-1, ValueError, "-1"),
                                              (NotAStream(), TypeError, "NotAStream()")])
 def test_bad_stream_is_rejected_by_record_stream_with_state_unchanged(busy, stream, exc, text):
@@ -1315,7 +1396,7 @@ def test_none_stream_is_the_default_stream():
 def test_threads_sharing_one_allocator_leave_it_consistent():
     import random
     import threading
-    a = CachingAllocator(backend=SimDevice(), config="")
+    _, a = make()
     errors = []
 
     def work(seed):
@@ -1342,6 +1423,7 @@ def test_threads_sharing_one_allocator_leave_it_consistent():
     assert a.memory_allocated() == 0
 
 
+@sim_only("counts references to addresses over 1,000 reuses: no device behaviour")
 def test_reused_block_addresses_neither_leak_nor_lose_their_python_ints():
     import sys
     a = CachingAllocator(backend=SimDevice(), config="")
@@ -1369,14 +1451,17 @@ def lock_state_during_segment_allocation(config):
     return seen
 
 
+@sim_only("looks inside a segment allocation (SimDevice.segment_alloc_hook)")
 def test_the_lock_is_held_while_a_segment_is_allocated_by_default():
     assert lock_state_during_segment_allocation("") == [True]
 
 
+@sim_only("looks inside a segment allocation (SimDevice.segment_alloc_hook)")
 def test_release_lock_on_cudamalloc_frees_the_lock_while_a_segment_is_allocated():
     assert lock_state_during_segment_allocation("release_lock_on_cudamalloc:True") == [False]
 
 
+@sim_only("runs a thread inside a segment allocation (SimDevice.segment_alloc_hook)")
 def test_release_lock_on_cudamalloc_lets_another_thread_use_the_cache_meanwhile():
     import threading
     sim, alloc = make("release_lock_on_cudamalloc:True")
@@ -1401,6 +1486,7 @@ def test_release_lock_on_cudamalloc_lets_another_thread_use_the_cache_meanwhile(
     alloc.free(big)
 
 
+@sim_only("looks inside a segment allocation (SimDevice.segment_alloc_hook)")
 def test_release_lock_on_cudamalloc_follows_runtime_settings():
     import pyalloc
     sim = SimDevice()

@@ -849,3 +849,66 @@ def test_an_unknown_detect_capture_mode_is_refused(fake_cupy):
     import pyalloc.cupy as pc
     with pytest.raises(ValueError, match="detect_capture must be one of"):
         pc.install(detect_capture="sometimes")
+
+
+# The module functions tell the core's pointer errors apart by type (issue 15: they matched the
+# text "already freed" in the message).
+
+def test_a_double_free_through_the_module_raises_already_freed_error_naming_the_pointer(sim_defaults):
+    ptr = pyalloc.malloc(4096, device=0)
+    pyalloc.malloc(4096, device=1)
+    pyalloc.free(ptr)
+    with pytest.raises(pyalloc.AlreadyFreedError) as err:
+        pyalloc.free(ptr)
+    assert err.value.ptr == ptr and isinstance(err.value, ValueError)
+
+
+def test_a_foreign_pointer_raises_not_allocated_error(sim_defaults):
+    pyalloc.malloc(4096, device=0)
+    with pytest.raises(pyalloc.NotAllocatedError) as err:
+        pyalloc.free(0x1234)
+    assert err.value.ptr == 0x1234 and not isinstance(err.value, pyalloc.AlreadyFreedError)
+
+
+def test_record_stream_of_a_freed_pointer_raises_already_freed_error(sim_defaults):
+    ptr = pyalloc.malloc(4096, device=0)
+    pyalloc.free(ptr)
+    with pytest.raises(pyalloc.AlreadyFreedError):
+        pyalloc.record_stream(ptr, 7)
+
+
+def test_an_interior_pointer_error_names_the_allocation_it_lies_in(sim_defaults):
+    alloc = pyalloc.get_allocator(0)
+    ptr = alloc.malloc(4096)
+    with pytest.raises(pyalloc.NotAllocatedError) as err:
+        alloc.free(ptr + 512)
+    assert err.value.allocation == ptr and err.value.ptr == ptr + 512
+    alloc.free(ptr)
+
+
+def test_cupy_hook_keeps_the_current_stream_alive_while_its_blocks_are_cached(fake_cupy):
+    # CuPy destroys a stream when its object dies and the driver recycles the handle: blocks
+    # cached for a dead stream would pass to the next new stream while its queued work may still
+    # use them (issue 15). The hook keeps the stream object until empty_cache finds none left.
+    import weakref
+    import pyalloc.cupy as pc
+
+    class Stream:
+        def __init__(self, sim):
+            self.sim, self.ptr = sim, sim.create_stream()
+
+        def __del__(self):
+            self.sim.destroy_stream(self.ptr)
+
+    sim = pyalloc.get_allocator(0).backend
+    current = [Stream(sim)]
+    fake_cupy.cuda.get_current_stream = lambda: current[0]
+    pc.install()
+    fake_cupy.stream = current[0].ptr
+    mp = fake_cupy.alloc(MiB)
+    gone = weakref.ref(current[0])
+    current[0] = None
+    del mp
+    assert gone() is not None
+    pyalloc.empty_cache()
+    assert gone() is None

@@ -105,6 +105,12 @@ def test_memory_fraction_caps_at_a_fraction_of_the_driver_total(results):
     assert value(results, "memory_fraction_uses_the_driver_total") == 32 * MiB
 
 
+def test_a_stream_of_another_device_gets_an_event_made_and_recorded_in_that_devices_context(results):
+    waited, reused, retained = value(results, "record_stream_on_another_devices_stream")
+    assert waited and reused                  # the event was recorded and waited for
+    assert retained == 1                      # device 1's primary context, retained once for it
+
+
 def test_record_stream_defers_reuse_until_the_driver_event_completes(results):
     round1, round2, created, flags = value(results, "record_stream_defers_reuse_until_the_event_completes")
     assert round1 == [True, True] and round2 == [True, True]

@@ -1,0 +1,244 @@
+"""The conformance suite's backends: the policy specifications (tests/test_core.py) run on
+SimDevice everywhere and on the real GPU (CudaDevice) where one is present, as RMM runs one suite
+over every memory resource.
+
+On the GPU, CudaTestDevice gives the tests SimDevice's test API (create_stream, launch, complete,
+pending, synchronize, segments) over real streams: launch(stream, n) queues n units of work, each
+a cuStreamWaitValue32 on a flag in host-mapped memory, so the work stays pending until complete()
+(or the watchdog, see below) writes the flag. What the allocator does with pending work (events,
+reuse) is then what it does on a real device.
+
+The watchdog: SimDevice completes the awaited work when the allocator synchronizes an event or the
+device (it has no clock); a real GPU would wait forever for a flag only the blocked test thread
+could write. So when work is pending and the test has not called this device for WATCHDOG_S
+seconds (the test thread is blocked in a synchronizing driver call), a watchdog thread writes
+every flag, as if the work had finished; `watchdog_releases` counts how often.
+"""
+import ctypes
+import threading
+import time
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+WATCHDOG_S = 1.0
+
+
+def cuda_unavailable_reason():
+    """None when the CUDA backend can run here, else why not."""
+    try:
+        from pyalloc import cuda_backend
+    except ImportError as exc:        # pragma: no cover - pyalloc itself always imports
+        return str(exc)
+    if not cuda_backend.is_available():
+        return f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError as exc:
+        return f"needs cuda-bindings' driver module: {exc}"
+    return None
+
+
+def _check(result, call):
+    """cuda.bindings.driver returns (CUresult, values...): the values, or RuntimeError."""
+    from cuda.bindings import driver
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{call} failed: {err!r}")
+    rest = result[1:]
+    return rest[0] if len(rest) == 1 else rest
+
+
+class _StreamWork:
+    """One stream's queued units: its flag in host-mapped memory and an event after each unit."""
+
+    def __init__(self, handle):
+        from cuda.bindings import driver
+        self.handle = handle
+        self.host = _check(driver.cuMemHostAlloc(4, driver.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
+        self.flag = ctypes.c_uint32.from_address(int(self.host))
+        self.flag.value = 0
+        self.device_ptr = _check(driver.cuMemHostGetDevicePointer(self.host, 0),
+                                 "cuMemHostGetDevicePointer")
+        self.launched = 0
+        self.events = []              # events[i] is recorded after unit i + 1 (its wait)
+        self.before = []              # before[i] just before unit i + 1: after what came earlier
+
+    def close(self):
+        from cuda.bindings import driver
+        self.flag.value = self.launched      # the wait is a cyclic >=: never a huge value
+        for ev in self.events + self.before:
+            _check(driver.cuEventSynchronize(ev), "cuEventSynchronize")
+            _check(driver.cuEventDestroy(ev), "cuEventDestroy")
+        self.events, self.before = [], []
+        _check(driver.cuMemFreeHost(self.host), "cuMemFreeHost")
+
+
+class CudaTestDevice:
+    """SimDevice's test API (create_stream, launch, complete, pending, synchronize, segments) over
+    a CudaDevice; see the module doc. `backend` is the CudaDevice, `alloc` (set by the suite) the
+    allocator whose segments segments() reports."""
+
+    def __init__(self, backend):
+        from cuda.bindings import driver
+        self.backend = backend
+        self.alloc = None
+        self._dev = _check(driver.cuDeviceGet(backend.device), "cuDeviceGet")
+        self._ctx = _check(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+        _check(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._work = {}               # stream handle -> _StreamWork
+        self._streams = []            # streams made by create_stream, destroyed by close()
+        self._lock = threading.Lock()
+        self._last_call = time.monotonic()
+        self.watchdog_releases = 0
+        self._closing = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="cuda-test-device-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
+
+    # ---------------------------------------------------------------- the watchdog
+
+    def _touch(self):
+        self._last_call = time.monotonic()
+
+    def _watch(self):
+        while not self._closing.wait(0.05):
+            if time.monotonic() - self._last_call < WATCHDOG_S:
+                continue
+            with self._lock:
+                released = False
+                for work in self._work.values():
+                    if work.flag.value < work.launched:
+                        work.flag.value = work.launched
+                        released = True
+                if released:
+                    self.watchdog_releases += 1
+
+    # ---------------------------------------------------------------- SimDevice's test API
+
+    def create_stream(self):
+        """A new non-blocking stream's handle (an int)."""
+        from cuda.bindings import driver
+        self._touch()
+        stream = _check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                        "cuStreamCreate")
+        self._streams.append(stream)
+        return int(stream)
+
+    def _work_of(self, stream):
+        work = self._work.get(stream)
+        if work is None:
+            work = self._work[stream] = _StreamWork(stream)
+        return work
+
+    def launch(self, stream=0, count=1, uses=()):
+        """Queue `count` units of work on `stream`; returns the stream's queued total."""
+        from cuda.bindings import driver
+        self._touch()
+        with self._lock:
+            work = self._work_of(stream)
+            for _ in range(count):
+                work.before.append(self._record(stream))
+                work.launched += 1
+                _check(driver.cuStreamWaitValue32(driver.CUstream(stream), work.device_ptr,
+                                                  work.launched,
+                                                  driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                       "cuStreamWaitValue32")
+                work.events.append(self._record(stream))
+            return work.launched
+
+    @staticmethod
+    def _record(stream):
+        from cuda.bindings import driver
+        ev = _check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        _check(driver.cuEventRecord(ev, driver.CUstream(stream)), "cuEventRecord")
+        return ev
+
+    def _completed(self, work):
+        from cuda.bindings import driver
+        done = 0
+        for ev in work.events:
+            err = driver.cuEventQuery(ev)[0]
+            if err == driver.CUresult.CUDA_ERROR_NOT_READY:
+                break
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuEventQuery failed: {err!r}")
+            done += 1
+        return done
+
+    def pending(self, stream=0):
+        """Units of work queued on `stream` and not completed."""
+        self._touch()
+        work = self._work.get(stream)
+        return 0 if work is None else work.launched - self._completed(work)
+
+    def complete(self, stream=0, count=None):
+        """Finish queued work on `stream` in order (all of it, or `count` more units) and wait for
+        it; returns the number of units completed now."""
+        from cuda.bindings import driver
+        self._touch()
+        work = self._work.get(stream)
+        if work is None or work.launched == 0:
+            return 0
+        before = self._completed(work)
+        target = work.launched if count is None else min(before + count, work.launched)
+        with self._lock:
+            if work.flag.value < target:
+                work.flag.value = target
+        # Wait for everything queued before the next unit's wait (e.g. the allocator's events
+        # recorded after unit `target`), as SimDevice completes it: all of the stream when no
+        # wait is left, else up to the event recorded just before unit target + 1.
+        if target == work.launched:
+            _check(driver.cuStreamSynchronize(driver.CUstream(stream)), "cuStreamSynchronize")
+        else:
+            _check(driver.cuEventSynchronize(work.before[target]), "cuEventSynchronize")
+        self._touch()
+        return target - before
+
+    def synchronize(self):
+        """Finish all queued work (every flag written) and wait for the device."""
+        from cuda.bindings import driver
+        self._touch()
+        with self._lock:
+            for work in self._work.values():
+                work.flag.value = max(work.flag.value, work.launched)
+        _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+        self._touch()
+
+    def segments(self):
+        """(address, bytes) of the allocator's live device segments, by address; checked against
+        the CudaDevice's own count and bytes of segments it holds from the driver."""
+        segs = sorted((s["address"], s["total_size"]) for s in self.alloc._segments()
+                      if not s["is_expandable"])
+        assert len(segs) == self.backend.live_segments, (segs, self.backend.live_segments)
+        assert sum(n for _, n in segs) == self.backend.live_bytes
+        return segs
+
+    # ---------------------------------------------------------------- teardown
+
+    def close(self):
+        """Release all work, free what the allocator still holds, destroy streams and flags.
+        Returns the allocator's reserved bytes after emptying its cache (0 when nothing leaked)."""
+        from cuda.bindings import driver
+        self._touch()
+        self.synchronize()
+        leftover = 0
+        if self.alloc is not None:
+            for seg in self.alloc._segments():
+                for blk in seg["blocks"]:
+                    if blk["allocated"]:
+                        self.alloc.free(blk["address"])
+            self.alloc.process_events()
+            self.alloc.empty_cache()
+            leftover = self.alloc.memory_reserved()
+        self._closing.set()
+        self._watchdog.join()
+        for work in self._work.values():
+            work.close()
+        self._work.clear()
+        for stream in self._streams:
+            _check(driver.cuStreamDestroy(stream), "cuStreamDestroy")
+        self._streams.clear()
+        _check(driver.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+        return leftover

@@ -1,0 +1,369 @@
+"""Stream lifetime (issue 15): streams are destroyed while the allocator still holds blocks that
+name them, and the driver hands a destroyed stream's handle to the next new stream.
+
+SimDevice models both as the driver does (destroy_stream: the queued work still runs, the handle
+is dead, create_stream hands it out again), so the CuPy case that crashed on the GPU (record_stream
+on a stream, the stream object dropped, then the free) runs here as a CPU test. SimStream plays a
+CuPy Stream: destroying its stream when the object dies. The GPU half is tests/test_stream_lifetime_gpu.py.
+"""
+import gc
+import subprocess
+import textwrap
+import sys
+import weakref
+
+import pytest
+
+from pyalloc import Buffer, CachingAllocator, CudaError, SimDevice
+
+KiB = 1 << 10
+
+
+class SimStream:
+    """A stream object that destroys its stream when it dies, as cupy.cuda.Stream does."""
+
+    def __init__(self, sim):
+        self.sim = sim
+        self.ptr = sim.create_stream()
+
+    def __del__(self):
+        self.sim.destroy_stream(self.ptr)
+
+
+def make():
+    sim = SimDevice(1 << 30)
+    return sim, CachingAllocator(backend=sim, config="")
+
+
+# ------------------------------------------------------------------ the simulated driver
+
+def test_sim_recording_an_event_on_a_destroyed_stream_is_invalid_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE") as err:
+        sim.record_event(s)
+    assert err.value.call == "cuEventRecord" and f"stream {s} was destroyed" in str(err.value)
+
+
+def test_sim_launching_on_a_destroyed_stream_is_invalid_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE"):
+        sim.launch(s)
+
+
+def test_sim_destroying_a_stream_twice_is_invalid_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE"):
+        sim.destroy_stream(s)
+
+
+def test_sim_the_legacy_stream_cannot_be_destroyed():
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE"):
+        SimDevice().destroy_stream(0)
+
+
+def test_sim_a_new_stream_gets_the_destroyed_streams_handle():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    assert sim.create_stream() == s and not sim.is_destroyed(s)
+
+
+def test_sim_work_queued_before_destroy_still_completes_and_only_then_its_events():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.launch(s)
+    event = sim.record_event(s)
+    sim.destroy_stream(s)
+    reused = sim.create_stream()
+    assert reused == s and sim.pending(reused) == 0      # the new stream has none of that work
+    sim.complete(reused)
+    assert not sim.event_done(event)                     # completing the new stream is not enough
+    sim.synchronize()
+    assert sim.event_done(event)
+
+
+def test_sim_a_wait_on_an_event_of_a_destroyed_stream_follows_its_work():
+    sim = SimDevice()
+    s, other = sim.create_stream(), sim.create_stream()
+    sim.launch(s)
+    event = sim.record_event(s)
+    sim.wait_event(other, event)
+    sim.launch(other)
+    sim.destroy_stream(s)
+    sim.create_stream()
+    sim.complete(other)                                  # finishes the awaited work first
+    assert sim.event_done(event)
+
+
+# ------------------------------------------------------------------ the allocator
+
+def test_free_after_the_record_stream_stream_object_died_records_on_a_live_stream():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    sim.launch(s2.ptr)                          # work on s2 that uses p
+    alloc.record_stream(p, s2)
+    handle = s2.ptr
+    del s2
+    alloc.free(p)                               # used to record on the destroyed handle
+    assert alloc.malloc(4 * KiB) != p           # p waits for s2's work
+    sim.synchronize()
+    assert sim.is_destroyed(handle)             # the stream died once its event was recorded
+    assert alloc.malloc(4 * KiB) == p
+
+
+def test_the_allocator_releases_the_stream_object_once_the_event_is_recorded():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    alloc.record_stream(p, s2)
+    gone = weakref.ref(s2)
+    del s2
+    assert gone() is not None                   # kept: a block still names it
+    alloc.free(p)
+    assert gone() is None
+
+
+def test_a_stream_named_by_two_blocks_is_kept_until_both_are_freed():
+    sim, alloc = make()
+    p, q = alloc.malloc(4 * KiB), alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    alloc.record_stream(p, s2)
+    alloc.record_stream(q, s2)
+    gone = weakref.ref(s2)
+    del s2
+    alloc.free(p)
+    assert gone() is not None
+    alloc.free(q)
+    assert gone() is None
+
+
+def test_a_recycled_handle_does_not_release_a_block_waiting_on_the_dead_streams_work():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s2 = SimStream(sim)
+    sim.launch(s2.ptr)
+    alloc.record_stream(p, s2)
+    handle = s2.ptr
+    del s2
+    alloc.free(p)
+    s3 = SimStream(sim)
+    assert s3.ptr == handle                     # the driver recycles the handle
+    sim.complete(s3.ptr)                        # the new stream's work says nothing of s2's
+    alloc.process_events()
+    assert alloc.malloc(4 * KiB) != p
+    sim.synchronize()
+    assert alloc.malloc(4 * KiB) == p
+
+
+def test_a_buffer_collected_after_its_record_stream_stream_died_frees_without_an_error(monkeypatch):
+    sim, alloc = make()
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    buf = Buffer(alloc, 4 * KiB)
+    ptr = buf.ptr
+    s2 = SimStream(sim)
+    alloc.record_stream(ptr, s2)
+    del s2
+    del buf                                     # the CuPy hook's path: Buffer.__dealloc__ frees
+    gc.collect()
+    assert unraisable == []
+    assert alloc.memory_allocated() == 0
+    sim.synchronize()
+    assert alloc.malloc(4 * KiB) == ptr
+
+
+def test_two_hundred_streams_made_and_dropped_in_turn_each_guard_their_own_block():
+    sim, alloc = make()
+    handles = set()
+    held = []
+    for _ in range(200):
+        s = SimStream(sim)
+        handles.add(s.ptr)
+        p = alloc.malloc(4 * KiB)
+        sim.launch(s.ptr)
+        alloc.record_stream(p, s)
+        del s
+        alloc.free(p)
+        held.append(p)
+    # Each stream died once its event was recorded, so the driver handed one handle round.
+    assert len(handles) == 1
+    assert len(set(held)) == 200                # no block was reused while its work was pending
+    sim.synchronize()
+    alloc.process_events()
+    assert alloc.memory_stats()["active_bytes.all.current"] == 0
+
+
+def test_an_int_handle_is_not_kept_and_needs_no_object():
+    sim, alloc = make()
+    s = sim.create_stream()
+    p = alloc.malloc(4 * KiB)
+    alloc.record_stream(p, s)
+    alloc.free(p)
+    sim.synchronize()
+    assert alloc.malloc(4 * KiB) == p
+
+
+# ------------------------------------------------------------------ allocation streams
+
+def test_an_allocation_stream_object_is_kept_while_the_allocator_holds_its_blocks():
+    sim, alloc = make()
+    s = SimStream(sim)
+    p = alloc.malloc(4 * KiB, s)
+    gone = weakref.ref(s)
+    del s
+    alloc.free(p)
+    assert gone() is not None                   # its block is cached for it
+    alloc.empty_cache()
+    assert gone() is None
+
+
+def test_a_new_stream_never_gets_blocks_cached_for_a_dead_streams_queued_work():
+    sim, alloc = make()
+    s = SimStream(sim)
+    p = alloc.malloc(4 * KiB, s)
+    sim.launch(s.ptr)                           # work on s using p, still queued
+    alloc.free(p)                               # stream-ordered: cached for s, no event
+    handle = s.ptr
+    del s
+    s2 = SimStream(sim)
+    assert s2.ptr != handle                     # s lives on: its handle is not recycled
+    assert alloc.malloc(4 * KiB, s2) != p
+
+
+def test_a_buffer_keeps_its_stream_object_alive_like_malloc():
+    sim, alloc = make()
+    s = SimStream(sim)
+    buf = Buffer(alloc, 4 * KiB, s)
+    gone = weakref.ref(s)
+    del s, buf
+    assert gone() is not None
+    alloc.empty_cache()
+    assert gone() is None
+
+
+def test_a_stream_given_only_to_record_stream_is_not_kept_as_an_allocation_stream():
+    sim, alloc = make()
+    p = alloc.malloc(4 * KiB)
+    s = SimStream(sim)
+    alloc.record_stream(p, s)
+    gone = weakref.ref(s)
+    del s
+    alloc.free(p)
+    assert gone() is None
+
+
+# ------------------------------------------------------------------ events are given back
+
+def allocator_with_an_event(pending):
+    """An allocator on a fresh SimDevice that has made one cross-stream event: still awaited by a
+    freed block (pending) or back in the event pool."""
+    sim, alloc = make()
+    s = sim.create_stream()
+    p = alloc.malloc(4 * KiB)
+    alloc.record_stream(p, s)
+    sim.launch(s)
+    alloc.free(p)
+    if not pending:
+        sim.synchronize()
+        alloc.process_events()
+    assert sim.counters["event_create"] == 1
+    return sim, alloc
+
+
+@pytest.mark.parametrize("pending", [False, True], ids=["idle", "pending"])
+def test_an_allocator_destroys_its_events_when_it_dies(pending):
+    sim, alloc = allocator_with_an_event(pending)
+    del alloc
+    gc.collect()
+    assert sim.counters["event_destroy"] == 1
+
+
+def test_empty_cache_destroys_the_idle_events():
+    sim, alloc = allocator_with_an_event(pending=False)
+    alloc.empty_cache()
+    assert sim.counters["event_destroy"] == 1
+    p = alloc.malloc(4 * KiB)                   # a later free makes a new one
+    s = sim.create_stream()
+    alloc.record_stream(p, s)
+    alloc.free(p)
+    assert sim.counters["event_create"] == 2
+
+
+def test_empty_cache_keeps_the_events_blocks_still_wait_on():
+    sim, alloc = allocator_with_an_event(pending=True)
+    alloc.empty_cache()                          # waits for them (synchronize_and_free_events)
+    assert alloc.memory_stats()["active_bytes.all.current"] == 0
+    assert sim.counters["event_destroy"] == 1    # then idle, so destroyed
+
+
+def test_an_allocator_alive_at_interpreter_exit_with_events_exits_cleanly(tmp_path):
+    code = textwrap.dedent("""
+        from pyalloc import CachingAllocator, SimDevice
+        sim = SimDevice(1 << 30)
+        alloc = CachingAllocator(backend=sim, config="")
+        s = sim.create_stream()
+        p = alloc.malloc(4096)
+        alloc.record_stream(p, s)
+        sim.launch(s)
+        alloc.free(p)
+        keep = [alloc]
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 0 and out.stderr == "", (out.returncode, out.stderr)
+
+
+# ------------------------------------------------------------------ streams of another device
+
+def two_devices():
+    sim0 = SimDevice(1 << 30, device=0)
+    sim1 = SimDevice(1 << 30, device=1, base_address=0x7F0000000000 + (1 << 40))
+    return sim0, CachingAllocator(0, backend=sim0, config=""), sim1
+
+
+def test_sim_streams_made_by_device_one_belong_to_device_one():
+    sim0, _, sim1 = two_devices()
+    s1 = sim1.create_stream()
+    assert sim0.device_of_stream(s1) == 1 and sim1.device_of_stream(s1) == 1
+    assert sim0.device_of_stream(sim0.create_stream()) == 0 and sim0.device_of_stream(0) == 0
+
+
+def test_sim_an_event_cannot_be_recorded_on_a_stream_of_another_device():
+    sim0, _, sim1 = two_devices()
+    event = sim0.create_event()
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE") as err:
+        sim0.record_event(sim1.create_stream(), event)
+    assert "of device 0 cannot be recorded on" in str(err.value)
+
+
+def test_a_free_used_on_another_devices_stream_records_an_event_of_that_device():
+    sim0, alloc, sim1 = two_devices()
+    s1 = sim1.create_stream()
+    p = alloc.malloc(4 * KiB)
+    alloc.record_stream(p, s1)
+    sim0.launch(s1)                             # the work on device 1's stream, as sim0 sees it
+    alloc.free(p)                               # used to record device 0's event on it
+    assert alloc.malloc(4 * KiB) != p
+    sim0.complete(s1)
+    assert alloc.malloc(4 * KiB) == p
+
+
+def test_events_of_another_device_are_pooled_apart_and_destroyed_with_the_allocator():
+    sim0, alloc, sim1 = two_devices()
+    s0, s1 = sim0.create_stream(), sim1.create_stream()
+    for stream in (s1, s1, s0):
+        p = alloc.malloc(4 * KiB)
+        alloc.record_stream(p, stream)
+        alloc.free(p)
+        alloc.process_events()                  # no work queued: the event is idle again
+    assert sim0.counters["event_create"] == 2   # one per device: each reused from its own pool
+    del alloc
+    gc.collect()
+    assert sim0.counters["event_destroy"] == 2
