@@ -121,6 +121,16 @@ def _positive_int(text):
     return value
 
 
+def _fraction_arg(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def _device_arg(text):
     try:
         value = int(text)
@@ -258,9 +268,10 @@ def _write_dump(snapshot: dict, path: str) -> None:
 
 def _cmd_replay(args) -> int:
     from pyalloc.errors import format_bytes
-    from pyalloc.replay import DEFAULT_DEVICE_MEMORY, replay
+    from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, gc_without_fraction, has_oom_entries,
+                                recorded_oom, replay)
     from pyalloc.snapshot import SnapshotError
-    from pyalloc.tune import _settings_key, recorded_config
+    from pyalloc.tune import _settings_key, recorded_config, recorded_oom_lines
 
     snapshot, entries = _load_trace(args.trace, args.device)
     own = recorded_config(snapshot)
@@ -285,12 +296,31 @@ def _cmd_replay(args) -> int:
         placement = "recorded" if same else "fresh"
     if args.dump:
         _check_dump_path(args.dump)
-    device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
+    oom = None
+    if has_oom_entries(entries):
+        try:
+            oom = recorded_oom(snapshot, device=args.device, memory_fraction=args.memory_fraction)
+        except SnapshotError as err:   # a corrupt trace entry
+            raise CliError(f"{args.trace}: {err}") from None
+    derived = args.device_memory is None and oom is not None
+    if derived:
+        device_memory = oom.device_memory
+    else:
+        device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
+    if gc_without_fraction(own, args.memory_fraction):
+        _warn("the trace's own setting sets garbage_collection_threshold, which acts only under a "
+              "memory fraction below 1, and none is given: its segment frees are replayed as "
+              "empty_cache() calls. If the run called torch.cuda.set_per_process_memory_fraction, "
+              "pass that fraction as --memory-fraction.")
+    if oom is not None and not args.json:
+        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, args.memory_fraction):
+            print(text)
     with _Progress("replay", "ev") as bar:
         try:
             # --dump records the replay's own history: its snapshot is a timeline of the replay.
             result = replay(snapshot, config=config, placement=placement, device_memory=device_memory,
-                            device=args.device, progress=bar, history=bool(args.dump))
+                            device=args.device, progress=bar, history=bool(args.dump),
+                            memory_fraction=args.memory_fraction)
         except SnapshotError as err:   # a corrupt trace entry
             raise CliError(f"{args.trace}: {err}") from None
         except RuntimeError as err:
@@ -305,7 +335,8 @@ def _cmd_replay(args) -> int:
     _wrapped_warning(result.wrapped)
     out = result.as_dict()
     out.update(trace=args.trace, device=args.device, device_memory=device_memory,
-               own_config=own, dumped=args.dump)
+               own_config=own, dumped=args.dump, device_memory_derived=derived,
+               recorded_oom=oom.as_dict() if oom is not None else None)
     if args.json:
         print(json.dumps(_json_safe(out)))
         return 0
@@ -318,7 +349,11 @@ def _cmd_replay(args) -> int:
     line("setting", (config or "(defaults)") + ("  (the trace's own)" if config == own else ""))
     line("placement", "recorded (segments at the trace's addresses)" if placement == "recorded"
          else "fresh (segments where the simulated device puts them, top-down)")
-    line("device memory", f"{format_bytes(device_memory)} ({device_memory:,} bytes)")
+    line("device memory", f"{format_bytes(device_memory)} ({device_memory:,} bytes)"
+         + ("  (the limit the recorded OOM implies)" if derived else ""))
+    if r.memory_fraction is not None:
+        line("memory fraction", f"{r.memory_fraction:g}: at most {format_bytes(r.allowed_memory)} "
+                                f"({r.allowed_memory:,} bytes)")
     for name, value in (("peak reserved", r.peak_reserved), ("peak allocated", r.peak_allocated),
                         ("peak requested", r.peak_requested)):
         line(name, f"{format_bytes(value)} ({value:,} bytes)")
@@ -329,6 +364,14 @@ def _cmd_replay(args) -> int:
         if r.num_alloc_retries else ""))
     line("out-of-memory events", f"{r.num_ooms:,}" + (
         "  (each failed allocation was skipped, and the replay went on)" if r.num_ooms else ""))
+    if r.oom_requests:
+        first = r.oom_requests[0]
+        words = (f"fits, {format_bytes(first.margin)} to spare" if first.fits
+                 else f"out of memory again, {format_bytes(-first.margin)} short")
+        line("recorded OOM's request", f"{words}; {r.oom_requests_fitting:,} of "
+                                       f"{len(r.oom_requests):,} oom requests fit (each freed at once)")
+    line("empty_cache calls", f"{r.empty_cache_calls:,}  (segment-free runs replayed as calls; the "
+                              "others are the policy's own releases)")
     if placement == "recorded":
         line("at the trace's address", f"{r.address_matches:,} of {r.allocations:,} allocations "
                                        f"({_pct(r.address_matches, r.allocations)})")
@@ -362,7 +405,7 @@ def _cmd_tune(args) -> int:
             # The path (not the loaded dict) goes to tune: each worker loads the trace itself.
             result = tune(args.trace, grid=grid, configs=args.config or (), jobs=args.jobs,
                           device_memory=args.device_memory, device=args.device, progress=bar,
-                          snapshot=snapshot)
+                          snapshot=snapshot, memory_fraction=args.memory_fraction, fit=args.fit)
         except SnapshotError as err:   # a corrupt trace entry
             raise CliError(f"{args.trace}: {err}") from None
     _wrapped_warning(result.wrapped)
@@ -456,6 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "M, G, T powers of 1024 (80G means 80GiB); decimals are rounded down "
                              "to a byte. A number without a unit counts bytes and must be at least "
                              "1 MiB (1048576). Default 80GiB. Out-of-memory events count against it")
+    common.add_argument("--memory-fraction", type=_fraction_arg, default=None, metavar="F",
+                        help="the per-process memory fraction the run had "
+                             "(torch.cuda.set_per_process_memory_fraction): the allocator may hold "
+                             "floor(F x device memory) bytes, and garbage_collection_threshold, "
+                             "which acts only under a fraction below 1, counts from that. Default: "
+                             "the setting's own per_process_memory_fraction, else none")
     common.add_argument("--device", type=_device_arg, default=0, metavar="N",
                         help="which device's trace to replay (default 0)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
@@ -500,6 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a setting string to try (repeatable); without --grid only these run")
     t.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
                    help="worker processes (default: the number of CPUs)")
+    t.add_argument("--fit", action="store_true",
+                   help="also find, per setting, the smallest device memory (to 2 MiB) on which the "
+                        "whole trace, its out-of-memory requests included, runs without an "
+                        "out-of-memory: bisection over replays with fresh placement")
     t.add_argument("--html", default=None, metavar="PATH",
                    help="also write a self-contained HTML page: each setting's reserved memory over "
                         "the trace on one chart, the table beside it")

@@ -70,6 +70,8 @@ cdef class DeviceCachingAllocator:
     cdef int free_locked(self, Block* b, uint32_t context_id) except -1
     cdef int empty_cache_locked(self) except -1
     cdef int try_allocate_block(self, size_t size, uintptr_t stream, Block** out) except -1
+    cdef size_t policy_release_bytes(self, size_t size, uintptr_t stream) except? 0
+    cdef int release_cached_segment(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1
     cdef raise_oom(self, size_t requested)
     cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1
     cdef bint routes_capture(self, unsigned long long capture_id) noexcept

@@ -360,6 +360,12 @@ cdef class DeviceCachingAllocator:
     cdef int try_allocate_block(self, size_t size, uintptr_t stream, Block** out) except -1:
         return try_allocate(self, size, stream, out)
 
+    cdef size_t policy_release_bytes(self, size_t size, uintptr_t stream) except? 0:
+        return policy_release_bytes(self, size, stream)
+
+    cdef int release_cached_segment(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1:
+        return release_cached_segment(self, ptr, size, stream)
+
     cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1:
         """Keep `stream_object` (the stream of handle `stream`) alive while this allocator holds
         blocks of that stream: a stream destroyed with work queued still runs it, and the driver
@@ -1820,6 +1826,171 @@ cdef int garbage_collect(DeviceCachingAllocator a) except -1:
                 total_age -= age
                 freeable -= 1
                 release_block(a, b)
+    return 0
+
+
+# (cimports of the dry run below, kept beside it)
+from libcpp.unordered_set cimport unordered_set
+from pyalloc._types cimport ExpandableSegment, Settings
+
+
+cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
+                                 uintptr_t stream) except? 0:
+    """Dry run of malloc's release ladder (malloc_slow) for `orig_size` bytes on `stream`, in the
+    present state and under the present limit: the bytes of device memory that garbage
+    collection, the max_split_size release and the full flush would give back before the request
+    is served or runs out of memory. 0 when a cached block serves it, or new device memory comes
+    without any release. Nothing changes (the GC clock included).
+
+    For the replay (pyalloc._replay), which must tell the segment frees the policy makes inside a
+    malloc from those of an empty_cache call. Approximations, all on the rare side: with a route
+    active it answers 0 (no flush then, and private pools are left out); blocks awaiting events
+    are not counted; expandable growth is taken to need the request rounded up to whole pages.
+    """
+    if orig_size == 0 or not a.captures_underway.empty():
+        return 0
+    cdef Settings* s = &a.st.settings
+    cdef size_t size = round_size(s, orig_size)
+    cdef BlockPool* pool = a.small_blocks if is_small_request(size) else a.large_blocks
+    cdef size_t clock = pool.get_free_blocks_call_count
+    cdef Block* hit = get_free_block(s, pool, stream, size)
+    pool.get_free_blocks_call_count = clock             # a dry run: the GC clock stays
+    if hit != NULL:
+        return 0
+    cdef size_t alloc_size = segment_size_for(size)
+    cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
+    cdef size_t physical = ((size + page - 1) // page) * page if s.expandable_segments else alloc_size
+    cdef size_t free_bytes = 0, total_bytes = 0
+    a.backend.memory_info(&free_bytes, &total_bytes)
+    cdef size_t reserved = a.st.total_allocated_memory
+    cdef size_t released = 0, threshold_bytes, target, reclaimed, large_clock, r, key_size
+    cdef unordered_set[BlockPtr] gone
+    cdef BlockSet.iterator it
+    cdef Block* b
+    cdef double total_age, age_threshold, age
+    cdef int64_t freeable
+    cdef bint freed_some
+    cdef Block key
+    cdef ExpandableSegment* seg
+    cdef uintptr_t offset, first, last
+    if gc_enabled(s):
+        # garbage_collect, counting instead of freeing; the large pool's clock as it will be
+        # after this malloc's get_free_block.
+        threshold_bytes = <size_t>(s.gc_threshold * <double>s.allowed_memory_maximum)
+        if reserved > threshold_bytes:
+            target = reserved - threshold_bytes
+            large_clock = a.large_blocks.get_free_blocks_call_count + (1 if pool == a.large_blocks else 0)
+            reclaimed = 0
+            total_age = 0.0
+            freeable = 0
+            it = a.large_blocks.blocks.begin()
+            while it != a.large_blocks.blocks.end():
+                b = deref(it)
+                inc(it)
+                if not b.is_split() and not b.expandable:
+                    total_age += <double>(large_clock - b.gc_count_base)
+                    freeable += 1
+            freed_some = True
+            while reclaimed < target and freed_some and freeable > 0:
+                age_threshold = total_age / <double>freeable
+                freed_some = False
+                it = a.large_blocks.blocks.begin()
+                while it != a.large_blocks.blocks.end():
+                    b = deref(it)
+                    inc(it)
+                    if b.is_split() or b.expandable or gone.count(b):
+                        continue
+                    age = <double>(large_clock - b.gc_count_base)
+                    if age >= age_threshold:
+                        freed_some = True
+                        reclaimed += b.size
+                        total_age -= age
+                        freeable -= 1
+                        gone.insert(b)
+            released += reclaimed
+    if dry_alloc_fits(s, reserved - released, alloc_size, free_bytes + released, physical):
+        return released
+    if s.max_split_size != kSizeMax:
+        # release_available_cached_blocks, counting instead of freeing.
+        key_size = size if size > s.max_split_size else s.max_split_size
+        key.stream = stream
+        key.size = key_size
+        key.ptr = 0
+        it = pool.blocks.lower_bound(&key)
+        while it != pool.blocks.end() and gone.count(deref(it)):
+            inc(it)
+        r = 0
+        if it == pool.blocks.end() or deref(it).stream != stream or deref(it).expandable:
+            while it != pool.blocks.begin():
+                dec(it)
+                b = deref(it)
+                if r >= key_size or b.size < s.max_split_size or b.stream != stream:
+                    break
+                if not b.expandable and not b.is_split() and not gone.count(b):
+                    r += b.size
+                    gone.insert(b)
+            released += r
+            if r >= key_size and dry_alloc_fits(s, reserved - released, alloc_size,
+                                                free_bytes + released, physical):
+                return released
+        elif not deref(it).is_split():
+            released += deref(it).size
+            gone.insert(deref(it))
+            if dry_alloc_fits(s, reserved - released, alloc_size, free_bytes + released, physical):
+                return released
+    # release_cached_blocks: every unsplit cached segment of the default pools, and the whole
+    # pages inside free expandable blocks.
+    cdef BlockPool* pools[2]
+    pools[0] = a.large_blocks
+    pools[1] = a.small_blocks
+    for k in range(2):
+        pool = pools[k]
+        it = pool.blocks.begin()
+        while it != pool.blocks.end():
+            b = deref(it)
+            inc(it)
+            if b.expandable:
+                seg = b.segment
+                offset = b.ptr - seg.base
+                first = seg.base + ((offset + seg.page_size - 1) // seg.page_size) * seg.page_size
+                last = seg.base + ((offset + b.size) // seg.page_size) * seg.page_size
+                if last > first:
+                    released += last - first
+            elif not b.is_split() and not gone.count(b):
+                released += b.size
+    return released
+
+
+cdef inline bint dry_alloc_fits(Settings* s, size_t reserved, size_t alloc_size, size_t free_bytes,
+                                size_t physical) noexcept:
+    """Whether alloc_block would get `alloc_size` bytes with `reserved` bytes held and
+    `free_bytes` free on the device (`physical`: the bytes the device must have free)."""
+    if s.allowed_memory_maximum != kSizeMax and reserved + alloc_size > s.allowed_memory_maximum:
+        return False
+    return physical <= free_bytes
+
+
+cdef int release_cached_segment(DeviceCachingAllocator a, uintptr_t ptr, size_t size,
+                                uintptr_t stream) except -1:
+    """Release the cached segment at `ptr` of `size` bytes on `stream` when it is one free,
+    unsplit block of a default pool: 1 when released, 0 when there is no such block. For the
+    replay's measuring pass, which frees exactly the segments a trace freed."""
+    cdef Block key
+    key.stream = stream
+    key.size = size
+    key.ptr = ptr
+    cdef BlockPool* pools[2]
+    pools[0] = a.large_blocks
+    pools[1] = a.small_blocks
+    cdef BlockSet.iterator it
+    cdef Block* b
+    for k in range(2):
+        it = pools[k].blocks.lower_bound(&key)
+        if it != pools[k].blocks.end():
+            b = deref(it)
+            if b.ptr == ptr and b.size == size and not b.is_split() and not b.expandable:
+                release_block(a, b)
+                return 1
     return 0
 
 

@@ -11,7 +11,8 @@ from cpython.object cimport PyObject
 from pyalloc._types cimport ActiveMap, Block
 from pyalloc._backend cimport BACKEND_OOM
 from pyalloc._core cimport DeviceCachingAllocator
-from pyalloc._policy cimport kMaxRequest
+from pyalloc._policy cimport kMaxRequest, kSizeMax, round_size, segment_size_for
+from pyalloc._types cimport ST_RESERVED_BYTES, ST_ALLOCATED_BYTES
 from pyalloc._validate cimport exact_int_to_u64
 
 
@@ -53,10 +54,11 @@ cdef inline bint leading_fields(dict d, object k_action, object k_addr, object k
 
 # What scan_trace does with an entry, by action.
 cdef enum:
-    SCAN_SKIP = 0            # oom, snapshot, anything else: not read by the replay
+    SCAN_SKIP = 0            # snapshot, anything else: not read by the replay
     SCAN_CHECK = 1           # alloc, free_requested, free_completed, segment_free, segment_unmap
     SCAN_SEGMENT_ALLOC = 2   # checked, and its (addr, size) collected
     SCAN_SEGMENT_MAP = 3     # checked, and its addr collected
+    SCAN_OOM = 4             # oom: size and stream checked (device_free where present); no addr
 
 
 cdef int scan_kind(object action) except -1:
@@ -64,6 +66,8 @@ cdef int scan_kind(object action) except -1:
         return SCAN_SEGMENT_ALLOC
     if action == "segment_map":
         return SCAN_SEGMENT_MAP
+    if action == "oom":
+        return SCAN_OOM
     if (action == "alloc" or action == "free_requested" or action == "free_completed"
             or action == "segment_free" or action == "segment_unmap"):
         return SCAN_CHECK
@@ -113,6 +117,23 @@ cdef int missing_trace_field(Py_ssize_t i, object action, str field) except -1:
     raise ValueError(f"trace entry {i} ({action}) has no {field!r}")
 
 
+cdef int check_oom_entry(Py_ssize_t i, object action, dict d) except -1:
+    """An oom entry carries the request (size, stream) and the device's free bytes (device_free;
+    PyTorch's snapshot writer puts the addr field there): the replay attempts the request."""
+    v_size = d.get("size", _NO_FIELD)
+    if v_size is _NO_FIELD:
+        missing_trace_field(i, action, "size")
+    if not trace_size(<PyObject*>v_size):
+        bad_trace_field(i, action, "size", v_size)
+    v_stream = d.get("stream", 0)
+    if not trace_u64(<PyObject*>v_stream):
+        bad_trace_field(i, action, "stream", v_stream)
+    v_free = d.get("device_free", 0)
+    if not trace_u64(<PyObject*>v_free):
+        bad_trace_field(i, action, "device_free", v_free)
+    return 0
+
+
 def scan_trace(list entries):
     """One pass over trace entries: ([(addr, size) of each segment_alloc], [addr of each segment_map]).
 
@@ -120,7 +141,8 @@ def scan_trace(list entries):
     The same pass checks what the replay reads: every entry is a dict with an "action"; alloc,
     free_requested, free_completed and segment_* entries have an int "addr" in [0, 2**64), an int
     "size" in [0, 2**60) and, when present, an int "stream" in [0, 2**64) (missing: stream 0, as
-    the replay reads it). Anything else raises ValueError naming the entry index and the field.
+    the replay reads it); oom entries an int "size" and, when present, int "stream" and
+    "device_free". Anything else raises ValueError naming the entry index and the field.
     """
     cdef Py_ssize_t i, n = len(entries)
     cdef object entry
@@ -160,6 +182,9 @@ def scan_trace(list entries):
                 known += 1
         if kind == SCAN_SKIP:
             continue
+        if kind == SCAN_OOM:
+            check_oom_entry(i, action, d)
+            continue
         if leading:
             # The common case: three borrowed values, no references taken unless one is bad.
             if not trace_u64(fields[1]):
@@ -193,18 +218,137 @@ def scan_trace(list entries):
     return segment_allocs, segment_maps
 
 
+
+# What the replay loop does with an entry, by action.
+cdef enum:
+    ACT_OTHER = 0            # segment_alloc, segment_map, snapshot, ...: nothing to replay
+    ACT_ALLOC = 1
+    ACT_FREE = 2             # free_completed
+    ACT_REQUESTED = 3        # free_requested
+    ACT_RELEASE = 4          # segment_free, segment_unmap
+    ACT_OOM = 5
+
+
+cdef int act_kind(object action) except -1:
+    if action == "alloc":
+        return ACT_ALLOC
+    if action == "free_completed":
+        return ACT_FREE
+    if action == "free_requested":
+        return ACT_REQUESTED
+    if action == "segment_free" or action == "segment_unmap":
+        return ACT_RELEASE
+    if action == "oom":
+        return ACT_OOM
+    return ACT_OTHER
+
+
+def release_window(list entries, Py_ssize_t start):
+    """The release window that starts at entry `start` (a segment_free or segment_unmap):
+    (end, request, window_bytes). It runs over segment_free, segment_unmap, free_completed,
+    segment_alloc and segment_map entries, which is what PyTorch writes inside one malloc between
+    its first release and the request's own entry (garbage collection, the max_split_size
+    release, the flush with the events it waits for, the new segment). `request` is the index of
+    the alloc or oom entry that ends it, or -1 when another entry (or the trace's end) does, at
+    index `end`; window_bytes sums the sizes of its segment_free and segment_unmap entries, less
+    what the window mapped before a later release (an expandable segment's growth that the
+    failed malloc mapped and its flush then unmapped: memory the allocator held only inside it)."""
+    cdef Py_ssize_t j, n = len(entries)
+    cdef object total = 0, grown = 0, regrown = 0
+    # Pages mapped just before the first release, with no request entry between, are the same
+    # malloc's growth (an expandable segment grows page run by page run and can fail midway).
+    j = start - 1
+    while j >= 0:
+        e = entries[j]
+        action = e["action"]
+        if action == "segment_map":
+            grown += e["size"]
+        elif action != "free_completed":
+            break
+        j -= 1
+    for j in range(start, n):
+        e = entries[j]
+        action = e["action"]
+        if action == "segment_free" or action == "segment_unmap":
+            total += e["size"]
+            regrown += grown
+            grown = 0
+        elif action == "alloc" or action == "oom":
+            return j, j, max(total - regrown, 0)
+        elif action == "segment_alloc" or action == "segment_map":
+            grown += e["size"]
+        elif action != "free_completed":
+            return j, -1, max(total - regrown, 0)
+    return n, -1, max(total - regrown, 0)
+
+
+cdef inline size_t available_bytes(DeviceCachingAllocator a) except? 0:
+    """Bytes a new segment could still take: the device's free memory, or less under a limit."""
+    cdef size_t free_bytes = 0, total_bytes = 0
+    a.backend.memory_info(&free_bytes, &total_bytes)
+    cdef size_t limit = a.st.settings.allowed_memory_maximum
+    cdef size_t held = a.st.total_allocated_memory
+    if limit != kSizeMax:
+        if held >= limit:
+            return 0
+        if limit - held < free_bytes:
+            return limit - held
+    return free_bytes
+
+
 def replay_entries(DeviceCachingAllocator allocator, list entries, object progress=None,
-                   Py_ssize_t progress_every=65536):
+                   Py_ssize_t progress_every=65536, object empty_cache_at=None,
+                   bint attempt_ooms=True, bint literal_releases=False):
     """Feed a recorded trace's events through `allocator`: the loop of pyalloc.replay.
 
     `entries` are PyTorch trace entry dicts (action, addr, size, stream). `alloc` calls malloc,
-    `free_completed` frees what the matching alloc returned, and the first `segment_free` of
-    a run acts as empty_cache() (that is what empty_cache leaves in a trace). An allocation
-    that runs out of memory is counted and skipped, and so is its later free.
+    `free_completed` frees what the matching alloc returned. An allocation that runs out of
+    memory is counted and skipped, and so is its later free.
+
+    `oom` entries (a request PyTorch could not serve: its rounded size and stream) are attempted
+    at their place when `attempt_ooms` is True: one that runs out of memory again is counted as
+    PyTorch counted it (num_ooms, and num_alloc_retries for the flush-and-retry before it); one
+    that fits is freed at once, as the trace holds no free for it. False only measures them.
+
+    Segment frees and unmaps (segment_free, segment_unmap) are either an empty_cache() call or
+    releases that the allocator's own policy makes inside a malloc (garbage_collection_threshold,
+    the max_split_size release, the out-of-memory flush). The replay's allocator makes the
+    latter itself, so only the calls are replayed, as empty_cache(). Which are which:
+      * `empty_cache_at` given (a sorted list of entry indices): an empty_cache() call at each of
+        those entries, nothing at any other segment free or unmap (the classification of an
+        earlier replay, for replays of the same trace under other settings or device sizes).
+      * None: each release window (release_window) is classified when it starts. It is the
+        policy's when the request that ends it would make this allocator release device memory
+        (DeviceCachingAllocator.policy_release_bytes, a dry run of the ladder) and at least as
+        many bytes as the window frees; otherwise it is an empty_cache() call. A window that
+        ends in anything but a request (a free, a snapshot, the trace's end) is always a call.
+        So an empty_cache() right before a malloc that releases memory itself counts as the
+        policy's only when the policy would free as much as the window did; one that frees less
+        than the window is a call (the policy cannot explain it). One right before a malloc that
+        would flush reads as that flush (the traces are the same): one more allocation retry.
+    free_completed entries are applied where they stand, including those of blocks whose events
+    a flush waited for mid-ladder (their entries come before the flush's segment frees): such a
+    block is free before the malloc in the replay, and when it could serve the request, the
+    replay counts one flush and retry less than PyTorch did.
+      * `literal_releases` True (for measuring, not for counting): each segment_free releases that
+        very segment (a free unsplit cached block at that address; one that is not there is
+        counted in unmatched_releases), and each window of segment_unmap entries is one
+        empty_cache() (expandable segments' only policy release is the flush, which unmaps what
+        empty_cache does). The allocator's state then follows the trace's at every entry
+        whatever the limit, but the ladder's retries are not counted.
     `progress(done, total)` is called every `progress_every` events.
 
-    Returns (allocations, address_matches, out_of_memory, unknown_frees): unknown_frees counts
-    frees of addresses the trace never allocated, the mark of a ring buffer that wrapped.
+    Returns (allocations, address_matches, out_of_memory, unknown_frees, empty_cache_calls,
+    oom_requests, first_failed_alloc): out_of_memory counts alloc entries that failed;
+    unknown_frees counts frees of addresses the trace never allocated, the mark of a ring buffer
+    that wrapped; empty_cache_calls lists the entry indices replayed as empty_cache();
+    oom_requests holds one tuple per oom entry, (index, size, stream, device_free,
+    reserved_bytes, allocated_bytes, fits, margin): reserved and allocated bytes after the
+    attempt (after the ladder when it failed, before the request when it fitted or was not
+    attempted), fits None when not attempted, margin the bytes a new segment could still have
+    taken after serving it (fits) or, negative, the bytes its segment was short of (no fit);
+    first_failed_alloc is the index of the first alloc entry that ran out of memory, or -1;
+    unmatched_releases (literal_releases only) counts segment_free entries with no such segment.
     Written in Cython because replay speed is what `pyalloc tune` is made of.
     """
     cdef Py_ssize_t i, n = len(entries)
@@ -215,20 +359,31 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
     cdef ActiveMap live                               # trace address -> our block
     cdef Block out_of_memory                          # marks an allocation that failed
     cdef uintptr_t addr, stream
-    cdef size_t size
+    cdef size_t size, release, need, free_bytes, total_bytes
     cdef Block* b
-    cdef int rc
-    cdef Py_ssize_t allocations = 0, matches = 0, ooms = 0, unknown = 0
-    cdef bint in_segment_free_run = False
-    cdef bint is_segment_free
+    cdef Py_ssize_t allocations = 0, matches = 0, ooms = 0, unknown = 0, first_failed = -1
+    cdef Py_ssize_t unmatched = 0
+    cdef Py_ssize_t window_end = -1                   # classified window runs up to here
+    cdef Py_ssize_t next_call = -1, call_pos = 0, n_calls = 0
+    cdef bint classify = empty_cache_at is None
+    cdef list calls
+    cdef list oom_requests = []
+    cdef PyObject* names[8]                           # action name objects seen, and their kind
+    cdef int kinds[8]
+    cdef int known = 0, j, kind
     if progress_every < 1:
         progress_every = 1
+    if classify:
+        calls = []
+    else:
+        calls = list(empty_cache_at)
+        n_calls = len(calls)
+        if n_calls:
+            next_call = calls[0]
     # Unpickled traces share one string object per key and per action name. Looking keys up
     # with those very objects, and recognising actions by identity first, skips the string
     # comparisons that otherwise dominate the loop.
     k_action, k_addr, k_size, k_stream = trace_key_objects(entries)
-    alloc_name, free_name, segment_free_name = "alloc", "free_completed", "segment_free"
-    requested_name = "free_requested"
     # One lock for the whole replay: the allocator is the replay's own, and taking the lock
     # per event would cost more than many of the events.
     allocator.lock()
@@ -248,21 +403,21 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
                 v_addr = d.get(k_addr, 0)
                 v_size = d.get(k_size, 0)
                 v_stream = d.get(k_stream, 0)
-            if (action is not alloc_name and action is not free_name and action is not requested_name
-                    and action is not segment_free_name):
+            kind = -1
+            for j in range(known):
+                if <PyObject*>action == names[j]:
+                    kind = kinds[j]
+                    break
+            if kind < 0:
                 # First sighting of this string object: learn which action it names.
-                if action == "alloc":
-                    alloc_name = action
-                elif action == "free_completed":
-                    free_name = action
-                elif action == "free_requested":
-                    requested_name = action
-                elif action == "segment_free":
-                    segment_free_name = action
-            if action is requested_name:
-                in_segment_free_run = False
+                kind = act_kind(action)
+                if known < 8:
+                    names[known] = <PyObject*>action
+                    kinds[known] = kind
+                    known += 1
+            if kind == ACT_REQUESTED:
                 continue
-            if action is alloc_name:
+            if kind == ACT_ALLOC:
                 allocations += 1
                 addr = v_addr
                 size = v_size
@@ -271,11 +426,13 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
                     continue
                 if allocator.malloc_locked(size, stream, 0, &b) == BACKEND_OOM:
                     ooms += 1
+                    if first_failed < 0:
+                        first_failed = i
                     live.insert(addr, &out_of_memory)
                 else:
                     live.insert(addr, b)
                     matches += b.ptr == addr
-            elif action is free_name:
+            elif kind == ACT_FREE:
                 addr = v_addr
                 b = live.get(addr)
                 if b == NULL:
@@ -284,14 +441,87 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
                     live.erase(addr)
                     if b != &out_of_memory:
                         allocator.free_locked(b, 0)
-            is_segment_free = action is segment_free_name
-            if is_segment_free and not in_segment_free_run:
-                allocator.empty_cache_locked()
-            in_segment_free_run = is_segment_free
+            elif kind == ACT_RELEASE:
+                if literal_releases:
+                    if action == "segment_free":
+                        if not allocator.release_cached_segment(v_addr, v_size, v_stream):
+                            unmatched += 1
+                    elif i >= window_end:
+                        window_end = release_window(entries, i)[0]
+                        allocator.empty_cache_locked()
+                        calls.append(i)
+                elif classify:
+                    if i >= window_end:
+                        end, request, window_bytes = release_window(entries, i)
+                        window_end = end
+                        release = 0
+                        if request >= 0:
+                            e = entries[request]
+                            release = allocator.policy_release_bytes(e["size"], e.get("stream", 0))
+                        if release == 0 or window_bytes > release:
+                            allocator.empty_cache_locked()
+                            calls.append(i)
+                elif i == next_call:
+                    allocator.empty_cache_locked()
+                    call_pos += 1
+                    next_call = calls[call_pos] if call_pos < n_calls else -1
+            elif kind == ACT_OOM:
+                size = v_size
+                stream = v_stream
+                fits = None
+                margin = 0
+                reserved = allocator.st.stats[ST_RESERVED_BYTES][0].current
+                allocated = allocator.st.stats[ST_ALLOCATED_BYTES][0].current
+                if attempt_ooms and size > 0:
+                    if allocator.malloc_locked(size, stream, 0, &b) == BACKEND_OOM:
+                        fits = False
+                        need = segment_size_for(round_size(&allocator.st.settings, size))
+                        margin = <object>available_bytes(allocator) - <object>need
+                        reserved = allocator.st.stats[ST_RESERVED_BYTES][0].current
+                        allocated = allocator.st.stats[ST_ALLOCATED_BYTES][0].current
+                    else:
+                        fits = True
+                        margin = available_bytes(allocator)
+                        allocator.free_locked(b, 0)
+                oom_requests.append((i, v_size, v_stream, d.get("device_free", 0), reserved,
+                                     allocated, fits, margin))
             if progress is not None and i % progress_every == 0:
                 progress(i, n)
     finally:
         allocator.unlock()
     if progress is not None:
         progress(n, n)
-    return allocations, matches, ooms, unknown
+    return allocations, matches, ooms, unknown, calls, oom_requests, first_failed, unmatched
+
+
+def trace_flags(list entries):
+    """(has_releases, has_ooms): whether the trace holds segment_free / segment_unmap entries and
+    oom entries. One quick pass (action names recognised by identity, as in the replay loop), so
+    that tune can skip classifying releases (none to classify) and looking for a recorded OOM."""
+    cdef Py_ssize_t i, n = len(entries)
+    cdef PyObject* names[8]
+    cdef int kinds[8]
+    cdef int known = 0, j, kind
+    cdef bint releases = False, ooms = False
+    k_action = trace_key_objects(entries)[0]
+    for i in range(n):
+        entry = entries[i]
+        action = (<dict>entry).get(k_action) if type(entry) is dict else None
+        kind = -1
+        for j in range(known):
+            if <PyObject*>action == names[j]:
+                kind = kinds[j]
+                break
+        if kind < 0:
+            kind = act_kind(action)
+            if known < 8:
+                names[known] = <PyObject*>action
+                kinds[known] = kind
+                known += 1
+        if kind == ACT_RELEASE:
+            releases = True
+        elif kind == ACT_OOM:
+            ooms = True
+        if releases and ooms:
+            break
+    return releases, ooms

@@ -42,8 +42,11 @@ from dataclasses import dataclass, field
 
 from pyalloc.config import CudaAllocatorConfig
 from pyalloc.errors import format_bytes
-from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, ReplayResult, check_trace, looks_wrapped, replay,
-                            trace_entries)
+from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
+                            check_trace, classify_releases, fit_device_memory, looks_wrapped,
+                            recorded_oom, replay, roomy_device, trace_entries)
+from pyalloc.replay import gc_without_fraction
+from pyalloc._replay import trace_flags
 from pyalloc.snapshot import load
 
 GRIDS = ("default", "wide")
@@ -134,6 +137,15 @@ class TuneRow:
     error: str | None = None       # why it was skipped or failed
     skipped: bool = False          # True: not supported by this pyalloc (not a failure)
     saving: int | None = None
+    fit_memory: int | None = None  # --fit: smallest device memory (bytes) with no OOM; None: none
+                                   # up to roomy_device, or not asked
+
+    @property
+    def recorded_oom_request(self):
+        """The replay of the trace's first oom request under this setting (OomRequest), or None."""
+        if self.result is None or not self.result.oom_requests:
+            return None
+        return self.result.oom_requests[0]
 
     @property
     def saving_fraction(self):
@@ -149,7 +161,7 @@ class TuneRow:
             out.update(self.result.as_dict())
             out["config"] = self.config
         out.update(saving=self.saving, saving_fraction=self.saving_fraction, error=self.error,
-                   skipped=self.skipped)
+                   skipped=self.skipped, fit_memory=self.fit_memory)
         return out
 
 
@@ -171,6 +183,10 @@ class TuneResult:
     skipped: list[TuneRow] = field(default_factory=list)
     failed: list[TuneRow] = field(default_factory=list)
     best: TuneRow | None = None
+    recorded_oom: RecordedOom | None = None   # the trace's first recorded OOM, if it has one
+    device_memory_derived: bool = False       # device_memory is the limit the OOM implies
+    memory_fraction: float | None = None
+    fit: bool = False                         # rows carry fit_memory
 
     @property
     def own_fresh(self) -> TuneRow | None:
@@ -189,6 +205,19 @@ class TuneResult:
             return None
         return fresh.result.peak_reserved - self.baseline.result.peak_reserved
 
+    @property
+    def allowed_memory(self) -> int | None:
+        """floor(memory_fraction x device_memory) when a memory fraction below 1 was given."""
+        if self.memory_fraction is None or self.memory_fraction >= 1.0:
+            return None
+        return int(self.memory_fraction * float(self.device_memory))
+
+    def device_words(self) -> str:
+        """'the 80.00 GiB device', or with a fraction 'the 139.80 GiB device (849.00 MiB allowed)'."""
+        allowed = self.allowed_memory
+        text = f"the {format_bytes(self.device_memory)} device"
+        return text + (f" ({format_bytes(allowed)} allowed)" if allowed is not None else "")
+
     def best_line(self) -> str | None:
         """`PYTORCH_CUDA_ALLOC_CONF=...` for the best setting, quoted for a POSIX shell."""
         if self.best is None:
@@ -201,8 +230,13 @@ class TuneResult:
             "trace": self.trace, "device": self.device, "device_memory": self.device_memory,
             "events": self.events, "allocations": self.allocations, "wrapped": self.wrapped,
             "own_config": self.own_config, "baseline": self.baseline.as_dict(),
+            "recorded_oom": self.recorded_oom.as_dict() if self.recorded_oom else None,
+            "device_memory_derived": self.device_memory_derived,
+            "memory_fraction": self.memory_fraction, "fit": self.fit,
             "placement_effect": self.placement_effect,
-            "results": [r.as_dict() for r in self.rows],
+            "results": [dict(r.as_dict(), fit_allowed=(
+                None if r.fit_memory is None or self.allowed_memory is None
+                else int(self.memory_fraction * float(r.fit_memory)))) for r in self.rows],
             "skipped": [{"config": r.config, "reason": r.error} for r in self.skipped],
             "failed": [{"config": r.config, "error": r.error} for r in self.failed],
             "best": self.best.config if self.best else None,
@@ -249,17 +283,34 @@ def _init_worker(source):
 
 
 def _replay_job(job):
-    """Replay one setting on the worker's trace: (index, ReplayResult or None, skipped, error)."""
-    index, config, placement, device_memory, device = job
+    """Replay one setting on the worker's trace: (index, ReplayResult or None, skipped, error,
+    fit_memory), fit_memory with job's fit flag (else None)."""
+    index, config, placement, device_memory, device, fraction, calls, fit = job
+    fit_memory = None
     try:
         # tune() checked the trace once before handing out the jobs.
         result = replay(_worker_snapshot, config=config, placement=placement,
-                        device_memory=device_memory, device=device, check=False)
+                        device_memory=device_memory, device=device, check=False,
+                        memory_fraction=fraction, empty_cache_calls=calls)
+        if fit:
+            fit_memory = fit_device_memory(_worker_snapshot, config=config, device=device,
+                                           memory_fraction=fraction, empty_cache_calls=calls,
+                                           check=False)
     except NotImplementedError as err:
-        return index, None, True, str(err) or "not implemented"
+        return index, None, True, str(err) or "not implemented", None
     except Exception as err:  # noqa: BLE001 -- one failing setting must not lose the others
-        return index, None, False, f"{type(err).__name__}: {err}"
-    return index, result, False, None
+        return index, None, False, f"{type(err).__name__}: {err}", None
+    return index, result, False, None, fit_memory
+
+
+def _run_one(job, snapshot):
+    """_replay_job(job) in this process, on `snapshot`."""
+    global _worker_snapshot
+    saved, _worker_snapshot = _worker_snapshot, snapshot
+    try:
+        return _replay_job(job)
+    finally:
+        _worker_snapshot = saved
 
 
 def _run_jobs(jobs, snapshot, source, workers, progress):
@@ -325,7 +376,7 @@ def rank_key(result: ReplayResult, order: int = 0):
 
 
 def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, device=0,
-         progress=None, snapshot=None) -> TuneResult:
+         progress=None, snapshot=None, memory_fraction=None, fit=False) -> TuneResult:
     """Replay a trace under a grid of allocator settings and rank them (rank_key: the settings
     that fit the device by peak reserved bytes, then those that ran out of memory).
 
@@ -334,8 +385,14 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         grid: "default", "wide" or None (no grid: only `configs`).
         configs: more setting strings to try (PyTorch's syntax); ConfigError if one is malformed.
         jobs: worker processes (default os.cpu_count()); 1 replays in this process.
-        device_memory: simulated device size in bytes (default 80 GiB). per_process_memory_fraction
-            and garbage_collection_threshold are relative to it.
+        device_memory: simulated device size in bytes. per_process_memory_fraction and
+            garbage_collection_threshold are relative to it. Default: for a trace with a
+            recorded OOM, the limit that OOM implies (RecordedOom.device_memory; the result says
+            so in device_memory_derived), else 80 GiB.
+        memory_fraction: the per-process memory fraction the run had (replay's memory_fraction),
+            applied to every setting; None: each setting's own.
+        fit: True adds per setting the smallest device memory on which the whole trace runs
+            without an out-of-memory (TuneRow.fit_memory; fit_device_memory).
         device: which device's trace to replay.
         progress: optional callable(done_settings, total_settings).
         snapshot: the already-loaded dict of `trace` (a path), so that this process does not
@@ -349,8 +406,7 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         jobs = os.cpu_count() or 1
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
-    if device_memory is None:
-        device_memory = DEFAULT_DEVICE_MEMORY
+    memory_fraction = check_memory_fraction(memory_fraction)
     if isinstance(configs, str):
         raise TypeError("configs must be a list of setting strings, not one string")
     candidates = (grid_settings(grid) if grid is not None else []) + list(configs)
@@ -360,6 +416,12 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     entries = trace_entries(snapshot, device)
     check_trace(entries, device)
     own = recorded_config(snapshot)
+    has_releases, has_ooms = trace_flags(entries)
+    oom = (recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
+           if has_ooms else None)
+    derived = device_memory is None and oom is not None
+    if device_memory is None:
+        device_memory = oom.device_memory if oom is not None else DEFAULT_DEVICE_MEMORY
 
     rows: list[TuneRow] = []
     baseline = TuneRow(own, "recorded", own=True)
@@ -384,12 +446,27 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
             if reason is not None:
                 row.error, row.skipped = reason, True
 
-    to_run = [row for row in [baseline, own_fresh] + rows if row.error is None]
-    job_list = [(i, row.config, row.placement, device_memory, device) for i, row in enumerate(to_run)]
+    # The baseline runs first, here: its replay (the own setting at the trace's addresses and
+    # limit) decides which segment frees were empty_cache() calls, for every other replay.
+    # (A trace without segment frees has nothing to classify: the baseline then runs with the
+    # others, in parallel.)
+    calls = None if has_releases else []
+    if baseline.error is None and calls is None:
+        _, baseline.result, baseline.skipped, baseline.error, _ = _run_one(
+            (0, own, "recorded", device_memory, device, memory_fraction, None, False), snapshot)
+        if baseline.result is not None:
+            calls = baseline.result.release_calls
+    if calls is None and own_fresh.error is None:
+        calls = classify_releases(snapshot, device=device, device_memory=device_memory,
+                                  memory_fraction=memory_fraction)
+    to_run = [row for row in [baseline] if row.error is None and row.result is None]
+    to_run += [row for row in [own_fresh] + rows if row.error is None]
+    job_list = [(i, row.config, row.placement, device_memory, device, memory_fraction, calls,
+                 fit and row is not baseline) for i, row in enumerate(to_run)]
     source = trace if isinstance(trace, dict) else str(trace)
     outcomes = _run_jobs(job_list, snapshot, source, jobs, progress)
     for i, row in enumerate(to_run):
-        _, row.result, row.skipped, row.error = outcomes[i]
+        _, row.result, row.skipped, row.error, row.fit_memory = outcomes[i]
 
     ran = [r for r in [own_fresh] + rows if r.result is not None]
     # Every replay notices a wrapped trace (frees of blocks it never saw); ask one that ran.
@@ -410,7 +487,8 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         wrapped=wrapped, own_config=own, baseline=baseline, rows=ran,
         # The own setting's fresh row repeats the baseline's reason when both were skipped.
         skipped=[r for r in not_run if r.skipped and not (r is own_fresh and baseline.skipped)],
-        failed=[r for r in not_run if not r.skipped], best=best)
+        failed=[r for r in not_run if not r.skipped], best=best, recorded_oom=oom,
+        device_memory_derived=derived, memory_fraction=memory_fraction, fit=fit)
 
 
 # -- the table --------------------------------------------------------------------------------------
@@ -461,6 +539,18 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     marked '!'; the trace's own setting marked '*'; notes on both under the table."""
     headers = (("", "#"), ("", "setting"), ("peak", "reserved"), ("vs the trace's", "own setting"),
                ("reserved/", "requested"), ("device", "allocs"), ("", "OOMs"))
+    extra = []              # (header, cell(row)) of the columns only some reports have
+    if result.recorded_oom is not None:
+        extra.append((("recorded OOM", "fits? spare"), lambda row: oom_request_words(row)))
+    if result.fit:
+        # Under a memory fraction the limit it gives is the figure to read (the device is the
+        # limit over the fraction).
+        fraction = result.allowed_memory is not None
+        extra.append((("--fit:", "fits under" if fraction else "fits on"),
+                      lambda row: "none" if row.fit_memory is None else format_bytes(
+                          int(result.memory_fraction * float(row.fit_memory)) if fraction
+                          else row.fit_memory)))
+    headers = headers + tuple(h for h, _ in extra)
     body = []
     for rank, row in enumerate(result.rows, 1):
         r = row.result
@@ -474,7 +564,7 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
             change = change_words(row.saving, row.saving_fraction)
         body.append((f"{rank}{mark}", _label(row.config), format_bytes(r.peak_reserved), change,
                      ratio, f"{r.num_device_alloc:,}", f"{r.num_ooms:,}",
-                     r.num_ooms > 0))
+                     *(cell(row) for _, cell in extra), r.num_ooms > 0))
     widths = [max([len(h[0]), len(h[1])] + [len(b[i]) for b in body]) for i, h in enumerate(headers)]
     # One space after the rank, two between the other columns.
     fixed = sum(widths) - widths[1] + 1 + 2 * (len(headers) - 2)
@@ -490,21 +580,31 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     ooms = [b for b in body if b[-1]]
     for cells in body:
         if cells is (ooms[0] if ooms else None):
-            note = (f" these ran out of memory on the {format_bytes(result.device_memory)} device "
-                    "(see ! below) ")
+            note = f" these ran out of memory on {result.device_words()} (see ! below) "
             side = max(total - len(note), 4)
             lines.append("-" * (side // 2) + note + "-" * (side - side // 2))
         setting = _wrap_setting(cells[1], widths[1])
-        lines.append(fmt([cells[0], setting[0], *cells[2:7]]))
+        lines.append(fmt([cells[0], setting[0], *cells[2:-1]]))
         lines += [fmt(["", "  " + more]) for more in setting[1:]]
     lines.append("-" * total)
     notes = []
     if any(r.own for r in result.rows):
         notes.append(" *  the trace's own setting, replayed fresh like the others: the reference "
                      "of \"vs the trace's own setting\"")
+    if result.recorded_oom is not None:
+        notes.append(" recorded OOM: whether the request of the trace's first oom entry fits under "
+                     "the setting, and the bytes a new segment could still have taken after it "
+                     "(+) or was short of (-).")
+    if result.fit:
+        notes.append(" --fit: the smallest device memory (to 2 MiB) on which the whole trace, its "
+                     "oom requests included, runs without an out-of-memory, found by bisection "
+                     "over fresh-placement replays"
+                     + (f"; under the memory fraction {result.memory_fraction:g}, the limit that "
+                        "device gives (the JSON has both)." if result.allowed_memory is not None
+                        else "."))
     if ooms:
-        notes.append(f" !  OUT OF MEMORY: {len(ooms)} of {len(body)} settings ran out of memory on the "
-                     f"{format_bytes(result.device_memory)} device. Each failed allocation was "
+        notes.append(f" !  OUT OF MEMORY: {len(ooms)} of {len(body)} settings ran out of memory on "
+                     f"{result.device_words()}. Each failed allocation was "
                      "skipped, so their peaks undercount what they would need: they rank below "
                      "every setting that fits, fewest out-of-memory events first.")
     for note in notes:
@@ -513,15 +613,60 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     return "\n".join(lines)
 
 
+def oom_request_words(row: TuneRow) -> str:
+    """The recorded OOM's request under a row's setting: 'yes +1.20 GiB' (fits, with that much to
+    spare) or 'no -20.00 MiB' (out of memory, short by that much)."""
+    req = row.recorded_oom_request
+    if req is None or req.fits is None:
+        return "-"
+    if req.fits:
+        return f"yes +{format_bytes(req.margin)}"
+    return f"no -{format_bytes(-req.margin)}"
+
+
+def recorded_oom_lines(oom: RecordedOom, events: int, device_memory: int, derived: bool,
+                       memory_fraction: float | None) -> list[str]:
+    """The paragraphs that open a report on a trace with a recorded out-of-memory."""
+    out = [_para(
+        f"RECORDED OUT OF MEMORY at event {oom.index:,} of {events:,}: a request of "
+        f"{format_bytes(oom.size)} (a {format_bytes(oom.segment_size)} segment) on stream "
+        f"{oom.stream} could not be served. Reserved then, after the out-of-memory ladder: "
+        f"{format_bytes(oom.reserved)} ({oom.reserved:,} bytes), of which "
+        f"{format_bytes(oom.cached_free)} sat free in the cache (fragmentation); the device had "
+        f"{format_bytes(oom.device_free)} free. The trace holds {oom.count:,} such "
+        f"out-of-memory entr{'y' if oom.count == 1 else 'ies'}.")]
+    if derived:
+        fraction = (f" with memory fraction {memory_fraction:g}"
+                    if memory_fraction is not None and memory_fraction < 1.0 else "")
+        out.append(_para(
+            f"No --device-memory given: the OOM bounds the limit the run had to at most "
+            f"{format_bytes(oom.limit)} ({oom.limit:,} bytes: reserved after the ladder plus the "
+            f"segment it could not get, less one byte, or reserved plus the device's free bytes, "
+            f"whichever is less, over every OOM); the replays use a device of "
+            f"{format_bytes(device_memory)}{fraction}. Give --device-memory (and "
+            "--memory-fraction) for the run's own figures."))
+        if not oom.consistent:
+            out.append(_para(
+                f"Note: the run held {format_bytes(oom.peak_reserved)} at its peak, more than that "
+                "bound: its limit changed during the run, or other processes took memory."))
+    return out
+
+
 def _para(text: str, width: int = WIDTH) -> str:
     return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
 def format_report(result: TuneResult) -> str:
     """The whole human-readable report of `pyalloc tune`: header, table, skipped, best line."""
-    out = [_para(f"trace {result.trace}: {result.events:,} events, {result.allocations:,} "
+    out = []
+    if result.recorded_oom is not None:
+        out += recorded_oom_lines(result.recorded_oom, result.events, result.device_memory,
+                                  result.device_memory_derived, result.memory_fraction)
+    out += [_para(f"trace {result.trace}: {result.events:,} events, {result.allocations:,} "
                  f"allocations, device {result.device}; simulated device of "
-                 f"{format_bytes(result.device_memory)} ({result.device_memory:,} bytes)")]
+                 f"{format_bytes(result.device_memory)} ({result.device_memory:,} bytes)"
+                 + (f", memory fraction {result.memory_fraction:g}"
+                    if result.memory_fraction is not None else ""))]
     if result.wrapped:
         out.append(_para("the trace starts in the middle of the run (wrapped ring buffer or late "
                          "start): the figures cover only the recorded window"))
@@ -542,6 +687,12 @@ def format_report(result: TuneResult) -> str:
         out.append(_para(text))
     else:
         out.append(_para(f"trace's own setting {_label(base.config)} was not replayed: {base.error}"))
+    if gc_without_fraction(result.own_config, result.memory_fraction):
+        out.append(_para("Note: the trace's own setting sets garbage_collection_threshold, which acts "
+                         "only under a memory fraction below 1, and none is given: its segment frees "
+                         "are taken as empty_cache() calls. If the run called "
+                         "torch.cuda.set_per_process_memory_fraction, pass that fraction as "
+                         "--memory-fraction."))
     out.append(_para("The table replays every setting with fresh placement (segments where the "
                      "simulated device puts them), the own setting included, so that the "
                      "differences come from the settings and not from where the driver put "
@@ -564,8 +715,8 @@ def format_report(result: TuneResult) -> str:
         return "\n".join(out)
     best = result.best
     if not result.best_avoids_oom:
-        out.append(_para(f"every setting ran out of memory on a {format_bytes(result.device_memory)} "
-                         "device; the one with the fewest out-of-memory events:"))
+        out.append(_para(f"every setting ran out of memory on {result.device_words()}; the one "
+                         "with the fewest out-of-memory events:"))
     elif best.own:
         out.append("the trace's own setting is already the best of this grid:")
     else:

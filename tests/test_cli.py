@@ -534,9 +534,24 @@ def test_scan_trace_accepts_the_largest_valid_values_and_skips_other_actions():
     top = 2**64 - 1
     entries = [{"action": "segment_alloc", "addr": top, "size": 2**60 - 1, "stream": top},
                {"action": "segment_map", "addr": 0, "size": 0},      # no stream: stream 0
-               {"action": "oom", "addr": "anything", "size": -1},    # not read by the replay
-               {"action": "snapshot", "addr": 0, "size": 2**70}]
+               {"action": "oom", "device_free": top, "size": 2**60 - 1, "stream": top},
+               {"action": "oom", "addr": "anything", "size": 512},   # addr is not an oom field
+               {"action": "snapshot", "addr": 0, "size": 2**70}]     # not read by the replay
     assert scan_trace(entries) == ([(top, 2**60 - 1)], [0])
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"action": "oom", "device_free": 0, "stream": 0}, "trace entry 1 (oom) has no 'size'"),
+    ({"action": "oom", "size": -1}, "trace entry 1 (oom): size -1 is out of range"),
+    ({"action": "oom", "size": 512, "stream": "s"}, "trace entry 1 (oom): stream is str 's'"),
+    ({"action": "oom", "size": 512, "device_free": 1.5}, "trace entry 1 (oom): device_free is float 1.5"),
+])
+def test_scan_trace_checks_the_fields_of_oom_entries_the_replay_reads(entry, message):
+    from pyalloc._replay import scan_trace
+    good = {"action": "alloc", "addr": 1, "size": 2, "stream": 0}
+    with pytest.raises(ValueError) as info:
+        scan_trace([good, entry])
+    assert message in str(info.value)
 
 
 def test_tune_exits_nonzero_when_every_setting_failed(capsys, trace_file, monkeypatch):
@@ -964,7 +979,7 @@ def test_tune_says_so_when_every_setting_runs_out_of_memory(capsys, tmp_path):
     rc, out, _ = run(capsys, "tune", path, "--config", "roundup_power2_divisions:2",
                      "--device-memory", "10MiB", "--jobs", "1")
     assert rc == 0
-    assert "every setting ran out of memory on a 10.00 MiB device" in out
+    assert "every setting ran out of memory on the 10.00 MiB device" in out
     assert out.rstrip("\n").splitlines()[-1].startswith("PYTORCH_CUDA_ALLOC_CONF=")
 
 
