@@ -74,17 +74,17 @@ def test_record_stream_keeps_memory_until_the_other_stream_is_done():
         x = torch.ones(16 << 20, device="cuda")
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)            # keep the side stream busy
+            torch.cuda._sleep(4_000_000_000)          # keep the side stream busy (~2 s)
             y = x * 2
         pt.record_stream(x, side)
         ptr = x.data_ptr()
         del x
         z = torch.empty(16 << 20, device="cuda")      # must not reuse x's block yet
-        print("reused", z.data_ptr() == ptr)
+        print("reused", z.data_ptr() == ptr, "busy", not side.query())
         torch.cuda.synchronize()
         print("sum", y[:4].sum().item())
     """)
-    assert lines[0].split() == ["reused", "False"]
+    assert lines[0].split() == ["reused", "False", "busy", "True"]
     assert lines[1].split() == ["sum", "8.0"]
 
 
@@ -95,16 +95,16 @@ def test_tensor_record_stream_reaches_pyalloc():
         x = torch.ones(16 << 20, device="cuda")
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)
+            torch.cuda._sleep(4_000_000_000)
             y = x * 2
         x.record_stream(side)
         ptr = x.data_ptr()
         del x
         z = torch.empty(16 << 20, device="cuda")
-        print("reused", z.data_ptr() == ptr)
+        print("reused", z.data_ptr() == ptr, "busy", not side.query())
         torch.cuda.synchronize()
     """)
-    assert lines[0].split() == ["reused", "False"]
+    assert lines[0].split() == ["reused", "False", "busy", "True"]
 
 
 def test_mempool_scoped_use_takes_segments_from_pyalloc():
