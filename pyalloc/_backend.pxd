@@ -3,7 +3,8 @@
 #
 # Contract, for every implementation (SimDevice in _sim.pyx, CudaDevice in _cuda.pyx):
 #  * Methods return 0 on success and raise a Python exception on a failure they cannot express
-#    (except -1). Out of memory is not an exception: segment_alloc and vm_map return BACKEND_OOM,
+#    (except -1). Out of memory is not an exception: segment_alloc, vm_reserve (address space
+#    exhausted) and vm_map return BACKEND_OOM,
 #    so that the core can run its release-and-retry ladder before it reports OOM itself.
 #  * Addresses, streams, events and graph nodes are opaque integers (uintptr_t handles). Stream 0
 #    is the legacy default stream.
@@ -43,7 +44,7 @@ cdef class Backend:
     # vm_map/vm_unmap cover whole pages of `page` bytes (a multiple of vm_granularity): each page
     # is one physical allocation, so that any page can later be unmapped on its own.
     cdef int vm_granularity(self, size_t* nbytes) except -1
-    cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1
+    cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1  # BACKEND_OOM: no address space
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1     # BACKEND_OOM when no memory
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1

@@ -806,8 +806,12 @@ cdef class CudaDevice(Backend):
                 r = cydriver.cuMemAddressReserve(&ptr, nbytes, 0, 0, 0)
                 r_unrelax = _unrelax(mode)
         check(r_relax, "cuThreadExchangeStreamCaptureMode")
-        check(r, "cuMemAddressReserve")
         check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
+        if r == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+            # Address space exhausted (each stream's expandable segment reserves about the
+            # device's size): out of memory, for the ladder, which releases empty segments.
+            return BACKEND_OOM
+        check(r, "cuMemAddressReserve")
         base[0] = <uintptr_t>ptr
         return BACKEND_OK
 

@@ -46,11 +46,13 @@ cdef size_t merge_into(CoreState* st, Block* dst, Block* src) noexcept:
     return dst.size
 
 
-cdef Block* find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
-                                  size_t size) except NULL:
-    """The lowest free-or-unmapped run of `stream`'s expandable segment with room for `size`
+cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
+                               size_t size, Block** out) except -1:
+    """*out = the lowest free-or-unmapped run of `stream`'s expandable segment with room for `size`
     bytes, starting at a free block just before the unmapped range when there is one; a new
-    segment (all unmapped) when none has room."""
+    segment (all unmapped) when none has room. Returns 0, or BACKEND_OOM when the address space
+    for a new segment cannot be reserved (the caller's out-of-memory ladder then releases cached
+    segments, whose reservations go with them, and retries)."""
     cdef Block key
     key.stream = stream
     key.ptr = 0
@@ -69,13 +71,15 @@ cdef Block* find_expandable_block(CoreState* st, Backend backend, BlockPool* poo
             room += walk.size
             walk = walk.next
         if room >= size:
-            return candidate
+            out[0] = candidate
+            return 0
     cdef size_t free_bytes = 0, total_bytes = 0
     backend.memory_info(&free_bytes, &total_bytes)
     cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
     cdef size_t va_size = reservation_size(total_bytes, page)
     cdef uintptr_t base = 0
-    backend.vm_reserve(va_size, &base)
+    if backend.vm_reserve(va_size, &base) == BACKEND_OOM:
+        return BACKEND_OOM
     cdef ExpandableSegment* seg = new_segment_struct()
     seg.base = base
     seg.size = va_size
@@ -91,7 +95,8 @@ cdef Block* find_expandable_block(CoreState* st, Backend backend, BlockPool* poo
     candidate.expandable = True
     candidate.segment = seg
     pool.unmapped.insert(candidate)
-    return candidate
+    out[0] = candidate
+    return 0
 
 
 cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) except -1:
@@ -136,7 +141,9 @@ cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool
                                        uintptr_t stream, size_t size, Block** out) except -1:
     """Grow `stream`'s expandable segment until a free block of `size` bytes exists there:
     0 with *out that block (out of the pool), or BACKEND_OOM."""
-    cdef Block* candidate = find_expandable_block(st, backend, pool, stream, size)
+    cdef Block* candidate = NULL
+    if find_expandable_block(st, backend, pool, stream, size, &candidate) == BACKEND_OOM:
+        return BACKEND_OOM
     cdef Block* following
     cdef size_t want
     if not candidate.mapped:

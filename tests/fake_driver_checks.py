@@ -645,6 +645,26 @@ def expandable_segments_map_and_unmap_in_relaxed_mode():
             "mode_after": fake.fake_thread_mode()}
 
 
+@scenario
+def exhausted_address_space_is_out_of_memory_and_the_ladder_releases_empty_segments():
+    # Each stream's expandable segment reserves about the device's size of address space; a
+    # program that makes many streams can exhaust it (CUDA_ERROR_OUT_OF_MEMORY from
+    # cuMemAddressReserve, seen in the H200 soak). The ladder must release the cached segments of
+    # other streams, their reservations with them, and retry, not fail with a CudaError.
+    a = pyalloc.CachingAllocator(0, backend="cuda", config="expandable_segments:True")
+    ptr = a.malloc(6 * MiB, stream=81)
+    a.free(ptr)                                        # stream 81's segment: cached, all free
+    reserved_before = count("reserved_live")
+    fake.fake_fail_next(b"cuMemAddressReserve", 2)     # CUDA_ERROR_OUT_OF_MEMORY
+    ptr2 = a.malloc(6 * MiB, stream=82)                # a new stream needs a new reservation
+    out = {"reserved_before": reserved_before, "reserved_after": count("reserved_live"),
+           "retries": a.memory_stats()["num_alloc_retries"],
+           "ooms": a.memory_stats()["num_ooms"]}
+    a.free(ptr2)
+    a.empty_cache()
+    return out
+
+
 # ------------------------------------------------------------------ events during capture
 
 

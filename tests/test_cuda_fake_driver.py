@@ -342,6 +342,12 @@ def test_expandable_segments_reserve_map_unmap_and_release_in_relaxed_mode(resul
     assert v["after"] == [0, 0, 0] and v["mode_after"] == 0
 
 
+def test_exhausted_address_space_is_out_of_memory_for_the_ladder_which_releases_and_retries(results):
+    v = value(results, "exhausted_address_space_is_out_of_memory_and_the_ladder_releases_empty_segments")
+    # stream 81's reservation was released by the ladder, stream 82's made on the retry
+    assert v == {"reserved_before": 1, "reserved_after": 1, "retries": 1, "ooms": 0}
+
+
 # ------------------------------------------------------------------ events during capture
 
 def test_event_query_and_synchronize_during_a_global_capture_raise_readable_cuda_errors(results):
