@@ -67,44 +67,63 @@ def test_empty_cache_returns_pyallocs_cached_segments():
     assert lines[0].split() == ["True", "0"]
 
 
-def test_record_stream_keeps_memory_until_the_other_stream_is_done():
-    lines = run("""
+# A stream kept busy until the host says so: it waits (cuStreamWaitValue32) on an int32 in mapped
+# pinned memory. A kernel that sleeps does not do: torch.cuda._sleep(4e9 cycles) returned to the
+# host only after ~2 s on the H200, with the stream already idle, under PyTorch's own allocator too.
+HOLD = """
+import ctypes
+from cuda.bindings import driver as _d
+def _call(f, *args):
+    r = f(*args)
+    assert int(r[0]) == 0, (f.__name__, r[0])
+    return r[1] if len(r) > 1 else None
+class Hold:
+    def __init__(self):
+        self.host = _call(_d.cuMemHostAlloc, 4, _d.CU_MEMHOSTALLOC_DEVICEMAP)
+        self.dev = _call(_d.cuMemHostGetDevicePointer, self.host, 0)
+        self.flag = ctypes.c_int32.from_address(int(self.host))
+        self.flag.value = 0
+    def block(self, stream):
+        _call(_d.cuStreamWaitValue32, stream.cuda_stream, self.dev, 1,
+              int(_d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))
+    def release(self):
+        self.flag.value = 1
+"""
+
+
+def record_stream_program(mark):
+    """x used on a held side stream, marked with `mark`, freed; prints whether the next request
+    of its size got x's block while the side stream was still held, then the side's result."""
+    return HOLD + textwrap.dedent(f"""
         pt.install()
         side = torch.cuda.Stream()
         x = torch.ones(16 << 20, device="cuda")
+        hold = Hold()
         side.wait_stream(torch.cuda.current_stream())
+        hold.block(side)
         with torch.cuda.stream(side):
-            torch.cuda._sleep(4_000_000_000)          # keep the side stream busy (~2 s)
             y = x * 2
-        pt.record_stream(x, side)
+        {mark}
         ptr = x.data_ptr()
         del x
-        z = torch.empty(16 << 20, device="cuda")      # must not reuse x's block yet
+        z = torch.empty(16 << 20, device="cuda")      # must not get x's block yet
         print("reused", z.data_ptr() == ptr, "busy", not side.query())
+        hold.release()
         torch.cuda.synchronize()
         print("sum", y[:4].sum().item())
     """)
+
+
+def test_record_stream_keeps_memory_until_the_other_stream_is_done():
+    lines = run(record_stream_program("pt.record_stream(x, side)"))
     assert lines[0].split() == ["reused", "False", "busy", "True"]
     assert lines[1].split() == ["sum", "8.0"]
 
 
 def test_tensor_record_stream_reaches_pyalloc():
-    lines = run("""
-        pt.install()
-        side = torch.cuda.Stream()
-        x = torch.ones(16 << 20, device="cuda")
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(4_000_000_000)
-            y = x * 2
-        x.record_stream(side)
-        ptr = x.data_ptr()
-        del x
-        z = torch.empty(16 << 20, device="cuda")
-        print("reused", z.data_ptr() == ptr, "busy", not side.query())
-        torch.cuda.synchronize()
-    """)
+    lines = run(record_stream_program("x.record_stream(side)"))
     assert lines[0].split() == ["reused", "False", "busy", "True"]
+    assert lines[1].split() == ["sum", "8.0"]
 
 
 def test_mempool_scoped_use_takes_segments_from_pyalloc():
