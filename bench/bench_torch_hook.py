@@ -44,7 +44,12 @@ for _ in range(repeats):
     for _ in range(n):
         empty(size, dtype=u8, device=dev)
     samples.append((time.perf_counter_ns() - t0) / n)
-print(json.dumps({"kind": kind, "ns": statistics.median(samples)}))
+slow = None
+if kind == "pyalloc":
+    from pyalloc import _capi
+    slow = _capi.slow_path_calls()     # cache hits should leave these near the warm-up's misses
+print(json.dumps({"kind": kind, "ns": statistics.median(samples), "slow_path_calls": slow,
+                  "allocations": 2000 + n * repeats}))
 """
 
 KINDS = ("native", "pyalloc", "one-slot")
@@ -58,6 +63,7 @@ def main(argv=None):
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     per_kind = {k: [] for k in KINDS}
+    slow_path = (None, None)
     for r in range(args.rounds):
         order = KINDS[r % 3:] + KINDS[:r % 3]
         for kind in order:
@@ -66,7 +72,10 @@ def main(argv=None):
             if out.returncode != 0:
                 print(f"{kind} child failed:\n{out.stderr[-3000:]}", file=sys.stderr)
                 return 1
-            per_kind[kind].append(json.loads(out.stdout.strip().splitlines()[-1])["ns"])
+            child = json.loads(out.stdout.strip().splitlines()[-1])
+            per_kind[kind].append(child["ns"])
+            if child["slow_path_calls"] is not None:
+                slow_path = (child["slow_path_calls"], child["allocations"])
     med = {k: statistics.median(v) for k, v in per_kind.items()}
     result = {
         "ns_per_alloc_free": med,
@@ -75,12 +84,15 @@ def main(argv=None):
         "one_slot_over_native": med["one-slot"] / med["native"],
         "pyalloc_own_ns": med["pyalloc"] - med["one-slot"],
         "per_round": per_kind,
+        "pyalloc_slow_path_calls": slow_path[0], "pyalloc_allocations": slow_path[1],
     }
     print(f"torch.empty(1 MiB)+free, median of {args.rounds} rounds (ns): "
           + ", ".join(f"{k} {med[k]:.0f}" for k in KINDS))
     print(f"pyalloc / native = {result['pyalloc_over_native']:.3f} (target <= 0.8); "
           f"one-slot / native = {result['one_slot_over_native']:.3f}; "
           f"pyalloc's own code: {result['pyalloc_own_ns']:.0f} ns per allocation+free")
+    print(f"pyalloc child, last round: {slow_path[1]} allocations, of which the C entry points sent "
+          f"down the ordinary (GIL) path: {slow_path[0]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -122,7 +122,20 @@ cdef int capi_record_stream(int device, uintptr_t ptr, uintptr_t stream) noexcep
 
 # ------------------------------------------------------------------------------- slow paths (GIL)
 
+# How many calls each entry point sent down the ordinary path (touched with the GIL only). A
+# caller whose requests should be cache hits can check that they were (slow_path_calls()).
+cdef Py_ssize_t slow_mallocs = 0, slow_frees = 0, slow_record_streams = 0
+
+
+def slow_path_calls():
+    """Calls of malloc, free and record_stream that the entry points could not serve without the
+    GIL (a miss, an error, pending events, a route, history stacks) since the process began."""
+    return {"malloc": slow_mallocs, "free": slow_frees, "record_stream": slow_record_streams}
+
+
 cdef int malloc_slow(int device, size_t size, uintptr_t stream, uintptr_t* out) noexcept with gil:
+    global slow_mallocs
+    slow_mallocs += 1
     try:
         out[0] = allocator_for(device).malloc(size, stream)
         return PYALLOC_OK
@@ -131,6 +144,8 @@ cdef int malloc_slow(int device, size_t size, uintptr_t stream, uintptr_t* out) 
 
 
 cdef int free_slow(int device, uintptr_t ptr) noexcept with gil:
+    global slow_frees
+    slow_frees += 1
     try:
         allocator_for(device).free(ptr)
         return PYALLOC_OK
@@ -139,6 +154,8 @@ cdef int free_slow(int device, uintptr_t ptr) noexcept with gil:
 
 
 cdef int record_stream_slow(int device, uintptr_t ptr, uintptr_t stream) noexcept with gil:
+    global slow_record_streams
+    slow_record_streams += 1
     try:
         if device == -1:
             _defaults.record_stream(ptr, stream)

@@ -87,6 +87,20 @@ def test_malloc_and_free_through_the_table_use_the_default_allocator(sim_default
     assert pyalloc.memory_allocated(0) == 0
 
 
+def test_cache_hits_through_the_table_take_no_slow_path_and_a_miss_does(sim_defaults):
+    code, ptr = c_malloc(1 << 20)                      # a miss: a new segment, with the GIL
+    assert code == 0 and table().free(0, ptr) == 0
+    before = _capi.slow_path_calls()
+    for _ in range(10):
+        code, ptr = c_malloc(1 << 20)
+        assert code == 0 and table().free(0, ptr) == 0
+    assert _capi.slow_path_calls() == before
+    code, big = c_malloc(64 << 20)                     # no cached block this large
+    assert code == 0 and table().free(0, big) == 0
+    after = _capi.slow_path_calls()
+    assert after["malloc"] == before["malloc"] + 1 and after["free"] == before["free"]
+
+
 def test_cache_hit_through_the_table_reuses_the_freed_block(sim_defaults):
     _, first = c_malloc(4096)
     table().free(0, first)
