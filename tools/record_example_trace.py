@@ -86,6 +86,18 @@ def build_model(torch, vocab, width, layers, heads, max_len):
     return TinyGPT()
 
 
+def train_step(torch, model, opt, vocab, batch, seq, device):
+    """One AdamW step under bf16 autocast on random tokens of shape (batch, seq)."""
+    idx = torch.randint(0, vocab, (batch, seq), device=device)
+    target = torch.randint(0, vocab, (batch, seq), device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(idx)
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), target.view(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.alloc_conf is not None:
@@ -112,15 +124,7 @@ def main(argv=None):
     started = time.perf_counter()
     for step in range(args.steps):
         batch, seq = shapes[step % len(shapes)]
-        idx = torch.randint(0, vocab, (batch, seq), device=device)
-        target = torch.randint(0, vocab, (batch, seq), device=device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(idx)
-            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), target.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del idx, target, logits, loss
+        train_step(torch, model, opt, vocab, batch, seq, device)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
 

@@ -183,7 +183,7 @@ def run_tight_fraction(torch, rng):
 def run_oracle_workload(torch, rng, steps):
     """The training loop of record_example_trace.py (same model), with more varied shapes."""
     sys.path.insert(0, HERE)
-    from record_example_trace import build_model
+    from record_example_trace import build_model, train_step
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
     vocab, width, layers, heads, max_len = 5000, 384, 4, 6, 640
@@ -193,15 +193,7 @@ def run_oracle_workload(torch, rng, steps):
               (12, 199), (4, 577), (10, 463), (14, 173)]
     for step in range(steps):
         batch, seq = shapes[step % len(shapes)]
-        idx = torch.randint(0, vocab, (batch, seq), device=dev)
-        target = torch.randint(0, vocab, (batch, seq), device=dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(idx)
-            loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), target.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del idx, target, logits, loss
+        train_step(torch, model, opt, vocab, batch, seq, dev)
     torch.cuda.synchronize()
     return {"steps": steps}
 
