@@ -61,6 +61,33 @@ cdef enum:
     SCAN_OOM = 4             # oom: size and stream checked (device_free where present); no addr
 
 
+# Action names are shared string objects in unpickled traces: the loops below remember the kind
+# of the first eight name objects they see and recognise those by identity (the objects stay alive
+# in the trace's dicts while a loop runs).
+ctypedef struct ActionKinds:
+    PyObject* names[8]
+    int kinds[8]
+    int known
+
+
+cdef inline int known_kind(ActionKinds* c, object action) noexcept:
+    """The kind learnt for this very object, or -1 when it has not been seen."""
+    cdef int j
+    for j in range(c.known):
+        if <PyObject*>action == c.names[j]:
+            return c.kinds[j]
+    return -1
+
+
+cdef inline int learn_kind(ActionKinds* c, object action, int kind) noexcept:
+    """Remember `kind` for this object (while there is room); returns kind."""
+    if c.known < 8:
+        c.names[c.known] = <PyObject*>action
+        c.kinds[c.known] = kind
+        c.known += 1
+    return kind
+
+
 cdef int scan_kind(object action) except -1:
     if action == "segment_alloc":
         return SCAN_SEGMENT_ALLOC
@@ -151,11 +178,9 @@ def scan_trace(list entries):
     segment_allocs = []
     segment_maps = []
     k_action, k_addr, k_size, k_stream = trace_key_objects(entries)
-    # Action names are shared string objects in unpickled traces: remember the kind of the first
-    # eight name objects seen and recognise those by identity (they are kept alive by the list).
-    cdef PyObject* names[8]
-    cdef int kinds[8]
-    cdef int known = 0, j, kind
+    cdef ActionKinds seen
+    seen.known = 0
+    cdef int kind
     cdef bint leading
     for i in range(n):
         entry = entries[i]
@@ -169,17 +194,9 @@ def scan_trace(list entries):
             action = d.get(k_action)
             if action is None:
                 raise ValueError(f"trace entry {i} has no 'action'")
-        kind = -1
-        for j in range(known):
-            if <PyObject*>action == names[j]:
-                kind = kinds[j]
-                break
+        kind = known_kind(&seen, action)
         if kind < 0:
-            kind = scan_kind(action)
-            if known < 8:
-                names[known] = <PyObject*>action
-                kinds[known] = kind
-                known += 1
+            kind = learn_kind(&seen, action, scan_kind(action))
         if kind == SCAN_SKIP:
             continue
         if kind == SCAN_OOM:
@@ -368,9 +385,9 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
     cdef bint classify = empty_cache_at is None
     cdef list calls
     cdef list oom_requests = []
-    cdef PyObject* names[8]                           # action name objects seen, and their kind
-    cdef int kinds[8]
-    cdef int known = 0, j, kind
+    cdef ActionKinds seen                             # action name objects seen, and their kind
+    seen.known = 0
+    cdef int kind
     if progress_every < 1:
         progress_every = 1
     if classify:
@@ -403,18 +420,10 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
                 v_addr = d.get(k_addr, 0)
                 v_size = d.get(k_size, 0)
                 v_stream = d.get(k_stream, 0)
-            kind = -1
-            for j in range(known):
-                if <PyObject*>action == names[j]:
-                    kind = kinds[j]
-                    break
+            kind = known_kind(&seen, action)
             if kind < 0:
                 # First sighting of this string object: learn which action it names.
-                kind = act_kind(action)
-                if known < 8:
-                    names[known] = <PyObject*>action
-                    kinds[known] = kind
-                    known += 1
+                kind = learn_kind(&seen, action, act_kind(action))
             if kind == ACT_REQUESTED:
                 continue
             if kind == ACT_ALLOC:
@@ -499,25 +508,17 @@ def trace_flags(list entries):
     oom entries. One quick pass (action names recognised by identity, as in the replay loop), so
     that tune can skip classifying releases (none to classify) and looking for a recorded OOM."""
     cdef Py_ssize_t i, n = len(entries)
-    cdef PyObject* names[8]
-    cdef int kinds[8]
-    cdef int known = 0, j, kind
+    cdef ActionKinds seen
+    seen.known = 0
+    cdef int kind
     cdef bint releases = False, ooms = False
     k_action = trace_key_objects(entries)[0]
     for i in range(n):
         entry = entries[i]
         action = (<dict>entry).get(k_action) if type(entry) is dict else None
-        kind = -1
-        for j in range(known):
-            if <PyObject*>action == names[j]:
-                kind = kinds[j]
-                break
+        kind = known_kind(&seen, action)
         if kind < 0:
-            kind = act_kind(action)
-            if known < 8:
-                names[known] = <PyObject*>action
-                kinds[known] = kind
-                known += 1
+            kind = learn_kind(&seen, action, act_kind(action))
         if kind == ACT_RELEASE:
             releases = True
         elif kind == ACT_OOM:
