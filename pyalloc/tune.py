@@ -187,6 +187,9 @@ class TuneResult:
     device_memory_derived: bool = False       # device_memory is the limit the OOM implies
     memory_fraction: float | None = None
     fit: bool = False                         # rows carry fit_memory
+    # Which of the trace's segment-free runs the replays took as empty_cache() calls (replay's
+    # empty_cache_calls), so that a later replay of a row (tune --html's curves) repeats them.
+    empty_cache_calls: list | None = None
 
     @property
     def own_fresh(self) -> TuneRow | None:
@@ -488,7 +491,8 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         # The own setting's fresh row repeats the baseline's reason when both were skipped.
         skipped=[r for r in not_run if r.skipped and not (r is own_fresh and baseline.skipped)],
         failed=[r for r in not_run if not r.skipped], best=best, recorded_oom=oom,
-        device_memory_derived=derived, memory_fraction=memory_fraction, fit=fit)
+        device_memory_derived=derived, memory_fraction=memory_fraction, fit=fit,
+        empty_cache_calls=calls)
 
 
 # -- the table --------------------------------------------------------------------------------------

@@ -585,7 +585,7 @@ def format_summary(view, top_tags=5):
 # ------------------------------------------------------------------------------- tune's curves
 
 def reserved_curve(snapshot, config, *, placement="fresh", device=0, device_memory=None,
-                   points=CURVE_POINTS):
+                   points=CURVE_POINTS, memory_fraction=None, empty_cache_calls=None):
     """Reserved bytes over a replay of the trace under `config`: (event indices, maxima), the
     maximum of memory_reserved() over the events since the previous point, about `points` of
     them. The replay's progress callback samples the allocator; the peak statistic is reset at
@@ -603,17 +603,20 @@ def reserved_curve(snapshot, config, *, placement="fresh", device=0, device_memo
         allocator.reset_peak_memory_stats()
 
     replay(snapshot, config=config, placement=placement, device=device, device_memory=device_memory,
-           progress=sample, progress_every=every, on_start=holder.append)
+           progress=sample, progress_every=every, on_start=holder.append,
+           memory_fraction=memory_fraction, empty_cache_calls=empty_cache_calls)
     return xs, ys
 
 
 def tune_curves(result, snapshot, *, points=CURVE_POINTS):
     """{id(row): reserved_curve(...)} for a pyalloc.tune.TuneResult's ranked rows and its baseline,
-    each replayed again as tune replayed it (same setting, placement, device and device size)."""
+    each replayed again as tune replayed it (same setting, placement, device, device size, memory
+    fraction and empty_cache calls)."""
     curves = {}
     for row in list(result.rows) + [result.baseline]:
         if row.result is not None:
             curves[id(row)] = reserved_curve(snapshot, row.config, placement=row.placement,
                                              device=result.device, device_memory=result.device_memory,
-                                             points=points)
+                                             points=points, memory_fraction=result.memory_fraction,
+                                             empty_cache_calls=result.empty_cache_calls)
     return curves

@@ -334,6 +334,21 @@ def test_reserved_curve_peak_equals_the_replays(example_replay):
     assert 500 <= len(xs) <= 1500
 
 
+def test_tune_curves_replay_rows_under_the_runs_memory_fraction():
+    # The GC of garbage_collection_threshold acts only under a memory fraction: a curve replayed
+    # without the fraction that tune used peaks higher than tune's own figure for the row.
+    from pyalloc.view import tune_curves
+    stem = REPO / "tests" / "data" / "oom" / "gc-fraction"
+    figures = json.loads(stem.with_suffix(".json").read_text())
+    snapshot = load(stem.with_suffix(".pickle.gz"))
+    result = tune(snapshot, grid=None, configs=["garbage_collection_threshold:0.5"], jobs=1,
+                  device_memory=figures["total_memory"], memory_fraction=figures["fraction"])
+    curves = tune_curves(result, snapshot, points=200)
+    assert result.rows
+    for row in result.rows:
+        assert max(curves[id(row)][1]) == row.result.peak_reserved
+
+
 def test_page_references_nothing_outside_itself(example_page):
     text = example_page.read_text(encoding="utf-8")
     assert not re.search(r"""\b(src|href|action)\s*=""", text)
