@@ -4,7 +4,6 @@ Marked `gpu`; skipped with the reason when CuPy, a driver or a GPU is missing. C
 checked by data: results computed on the GPU over pyalloc memory against NumPy or against the same
 computation on CuPy's own pool.
 """
-import ctypes
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ pytestmark = [
 ]
 
 import pyalloc.cupy as pc   # noqa: E402
+from gpu_helpers import HostFlag   # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -51,22 +51,6 @@ def clean_state():
     cp.fft.config.get_plan_cache().clear()
     pyalloc.empty_cache()
     cp.get_default_memory_pool().free_all_blocks()
-
-
-class HostFlag:
-    """An int in mapped pinned host memory: the host writes it, a kernel polls it."""
-
-    def __init__(self):
-        rt = cp.cuda.runtime
-        self.host = rt.hostAlloc(4, rt.hostAllocMapped)
-        self.device = rt.pointerGetAttributes(self.host).devicePointer
-        self.set(0)
-
-    def set(self, value):
-        ctypes.c_int.from_address(self.host).value = value
-
-    def close(self):
-        cp.cuda.runtime.freeHost(self.host)
 
 
 @pytest.fixture(scope="module")

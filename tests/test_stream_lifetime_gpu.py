@@ -4,7 +4,6 @@ and the driver hands the freed handle to the next new stream.
 Marked `gpu`; skipped with the reason when CuPy, a driver or a GPU is missing. The CPU half, on
 SimDevice's model of stream destruction, is tests/test_stream_lifetime.py.
 """
-import ctypes
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ pytestmark = [
 ]
 
 import pyalloc.cupy as pc   # noqa: E402
+from gpu_helpers import HostFlag   # noqa: E402
 
 MiB = 1 << 20
 
@@ -54,22 +54,6 @@ def cupy_on_pyalloc():
     cp.cuda.Device().synchronize()
     pyalloc.get_allocator(cp.cuda.Device().id).process_events()
     pyalloc.empty_cache()
-
-
-class HostFlag:
-    """An int in mapped pinned host memory: the host writes it, a kernel polls it."""
-
-    def __init__(self):
-        rt = cp.cuda.runtime
-        self.host = rt.hostAlloc(4, rt.hostAllocMapped)
-        self.device = rt.pointerGetAttributes(self.host).devicePointer
-        self.set(0)
-
-    def set(self, value):
-        ctypes.c_int.from_address(self.host).value = value
-
-    def close(self):
-        cp.cuda.runtime.freeHost(self.host)
 
 
 def test_freeing_an_array_after_its_record_stream_stream_died_does_not_crash():
