@@ -481,6 +481,13 @@ cdef class DeviceCachingAllocator:
             self.keep_allocation_stream(s, stream)
         return address_object(b)
 
+    def hold_stream(self, stream, stream_object):
+        """Keep `stream_object` (the stream whose handle is `stream`, an int) alive while this
+        allocator holds blocks of that stream, as malloc does for a stream object: for hooks
+        that allocate with handles they worked out themselves. Released by empty_cache once no
+        block of the stream is left. Stream 0 is never held."""
+        self.keep_allocation_stream(stream_handle(stream), stream_object)
+
     def free(self, ptr):
         """Return the memory at `ptr` (from malloc) to the cache. free(0) does nothing.
 

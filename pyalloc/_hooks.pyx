@@ -4,6 +4,7 @@
 FrameworkMalloc serves CuPy's set_allocator hook today. It is Cython because it runs once per
 framework allocation; it reaches the allocator through the C methods _core.pxd declares.
 """
+cimport cython
 from libc.stdint cimport uintptr_t, intptr_t
 from libcpp.vector cimport vector
 from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
@@ -219,3 +220,95 @@ cdef class FrameworkMalloc:
 
 cdef inline bint capsule_named(object capsule, str name):
     return PyCapsule_CheckExact(capsule) and PyCapsule_GetName(capsule) == name.encode()
+
+
+# ------------------------------------------------------------------------------- cuda.core
+
+cdef class CoreResourceState:
+    """What pyalloc.cuda_core's MemoryResource keeps, read by core_allocate and core_deallocate
+    (the resource's allocate and deallocate, here because they run once per cuda.core Buffer,
+    where the Python methods cost more than cuda.core's own DeviceMemoryResource does).
+
+    device_id: the ordinal; registry: the module whose `_allocators` dict maps device ->
+    allocator (pyalloc.defaults); from_handle: cuda.core's Buffer.from_handle; takes_stream:
+    whether from_handle records a deallocation stream. `streams` maps each live block's
+    address to the handle of its allocation stream; `last_stream`/`last_handle` are the memo of
+    the stream of the previous call (the resource's _handle_of sets them)."""
+    cdef readonly int device_id
+    cdef readonly dict streams
+    cdef public object last_stream
+    cdef public uintptr_t last_handle
+    cdef dict _registry_vars
+    cdef public object from_handle
+    cdef bint _takes_stream
+
+    def __init__(self, int device_id, registry, from_handle, bint takes_stream):
+        self.device_id = device_id
+        self.streams = {}
+        self.last_stream = None
+        self.last_handle = 0
+        self._registry_vars = vars(registry)
+        self.from_handle = from_handle
+        self._takes_stream = takes_stream
+
+    cdef inline object allocator(self, mr):
+        alloc = (<dict>self._registry_vars["_allocators"]).get(self.device_id)
+        if alloc is None:
+            alloc = mr._allocator()
+        return alloc
+
+
+@cython.binding(True)              # a method of the resource class (the module builds without binding)
+def core_allocate(mr, size, stream=None):
+    """A Buffer of `size` bytes for `stream` (see pyalloc.cuda_core)."""
+    cdef CoreResourceState st = mr._state
+    cdef uintptr_t handle
+    alloc = st.allocator(mr)
+    if stream is None:
+        handle = 0
+    elif stream is st.last_stream:
+        handle = st.last_handle
+    else:
+        if type(stream).__name__ == "GraphBuilder":
+            raise NotImplementedError(
+                "pyalloc.cuda_core does not allocate for a GraphBuilder (memory handed out in a "
+                "capture must stay reserved for the graph's replays): capture with pyalloc's "
+                "graph pools (CachingAllocator.graph) or use cuda.core's GraphMemoryResource")
+        handle = mr._handle_of(stream, alloc)
+    ptr = alloc.malloc(size, handle)
+    st.streams[ptr] = handle
+    try:
+        if stream is not None and st._takes_stream:
+            return st.from_handle(ptr, size, mr=mr, stream=stream)
+        return st.from_handle(ptr, size, mr=mr)
+    except BaseException:
+        # No Buffer owns the block: give it back, so that a refused call changes nothing
+        # (unless cuda.core already did, through deallocate, while failing).
+        if st.streams.pop(ptr, None) is not None:
+            alloc.free(ptr)
+        raise
+
+
+@cython.binding(True)
+def core_deallocate(mr, ptr, size, stream=None):
+    """Return a Buffer's block to pyalloc (see pyalloc.cuda_core)."""
+    cdef CoreResourceState st = mr._state
+    cdef uintptr_t freed_on
+    if type(ptr) is not int:
+        ptr = int(ptr)
+    if ptr == 0:
+        return
+    allocated_on = st.streams.get(ptr)
+    if allocated_on is None:
+        raise ValueError(f"pointer {ptr:#x} ({size} bytes) is not a live allocation of "
+                         f"{mr!r}: allocated elsewhere or already freed")
+    alloc = st.allocator(mr)
+    if stream is not None:
+        if stream is st.last_stream:
+            freed_on = st.last_handle
+        else:
+            freed_on = mr._handle_of(stream, alloc)
+        if freed_on != <uintptr_t>allocated_on:
+            alloc.record_stream(ptr, freed_on)
+    del st.streams[ptr]
+    alloc.free(ptr)

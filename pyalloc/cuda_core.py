@@ -30,7 +30,7 @@ attribute does (ImportError naming cuda-core when it is absent).
 import inspect
 import threading
 
-from pyalloc import _streams
+from pyalloc import _hooks, _streams
 from pyalloc import defaults as _defaults
 from pyalloc.errors import NoCudaDriverError
 
@@ -92,9 +92,11 @@ def _build():
                 device_id = registry.current_device()
             registry._check_device(device_id)
             self._device_id = device_id
-            # Allocation stream of each live block, by address: deallocate records the block on
-            # its deallocation stream only when that is another stream.
-            self._streams = {}
+            # The allocation stream of each live block (deallocate records the block on its
+            # deallocation stream only when that is another stream), the stream memo, and
+            # cuda.core's Buffer.from_handle.
+            self._state = _hooks.CoreResourceState(device_id, registry, self._from_handle,
+                                                   takes_stream)
             self._allocator()                     # fails now, not at the first allocate
 
         def _allocator(self):
@@ -107,52 +109,39 @@ def _build():
                     "(pyalloc.set_default_backend(None) or 'cuda')")
             return alloc
 
-        def allocate(self, size, stream=None):
-            """A Buffer of `size` bytes for `stream` (see the module docstring)."""
-            if type(stream).__name__ == "GraphBuilder":
-                raise NotImplementedError(
-                    "pyalloc.cuda_core does not allocate for a GraphBuilder (memory handed out in a "
-                    "capture must stay reserved for the graph's replays): capture with pyalloc's "
-                    "graph pools (CachingAllocator.graph) or use cuda.core's GraphMemoryResource")
+        def _handle_of(self, stream, alloc):
+            """The allocator's key for `stream` (not None), remembered for the next call (the
+            memo of allocate and deallocate: a program allocates on a few streams over and over,
+            and working a handle out of a stream object costs more than the rest of a call; the
+            memo holds one stream object).
+
+            A stream object other than the default stream is kept alive by the allocator while
+            it holds blocks of that stream (hold_stream): cuda.core destroys a Stream when it is
+            closed or collected, and the driver gives its handle to the next new stream, which
+            would otherwise be handed blocks the old stream's work may still use. The stream
+            this call replaces in the memo is registered too, since allocations made through the
+            memo skipped the registration. A GraphBuilder is never remembered (allocate refuses
+            it before it gets here)."""
             handle = stream_handle(stream)
-            alloc = registry._allocators.get(self._device_id)
-            if alloc is None:
-                alloc = self._allocator()
             if handle == fold_from:
                 handle = _streams.fold_legacy(handle, alloc.backend)
-            ptr = alloc.malloc(size, handle)
-            self._streams[ptr] = handle
-            try:
-                if takes_stream and stream is not None:
-                    return self._from_handle(ptr, size, mr=self, stream=stream)
-                return self._from_handle(ptr, size, mr=self)
-            except BaseException:
-                # No Buffer owns the block: give it back, so that a refused call changes nothing
-                # (unless cuda.core already did, through deallocate, while failing).
-                if self._streams.pop(ptr, None) is not None:
-                    alloc.free(ptr)
-                raise
+            if type(stream).__name__ == "GraphBuilder":
+                return handle
+            state = self._state
+            for obj, h in ((state.last_stream, state.last_handle), (stream, handle)):
+                if h != 0 and obj is not None and type(obj) is not int:
+                    alloc.hold_stream(h, obj)
+            state.last_stream, state.last_handle = stream, handle
+            return handle
 
-        def deallocate(self, ptr, size, stream=None):
-            """Return a Buffer's block to pyalloc (see the module docstring)."""
-            ptr = int(ptr)
-            if ptr == 0:
-                return
-            alloc = registry._allocators.get(self._device_id)
-            if alloc is None:
-                alloc = self._allocator()
-            allocated_on = self._streams.get(ptr)
-            if allocated_on is None:
-                raise ValueError(f"pointer {ptr:#x} ({size} bytes) is not a live allocation of "
-                                 f"{self!r}: allocated elsewhere or already freed")
-            if stream is not None:
-                freed_on = stream_handle(stream)
-                if freed_on == fold_from:
-                    freed_on = _streams.fold_legacy(freed_on, alloc.backend)
-                if freed_on != allocated_on:
-                    alloc.record_stream(ptr, freed_on)
-            del self._streams[ptr]
-            alloc.free(ptr)
+        # Cython (pyalloc/_hooks.pyx): they run once per Buffer.
+        allocate = _hooks.core_allocate
+        deallocate = _hooks.core_deallocate
+
+        @property
+        def _streams(self):
+            """{address: allocation stream handle} of the live blocks this resource handed out."""
+            return self._state.streams
 
         @property
         def is_device_accessible(self):

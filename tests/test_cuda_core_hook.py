@@ -171,3 +171,48 @@ def test_out_of_memory_raises_pyalloc_out_of_memory_error_and_changes_nothing(mr
     with pytest.raises(pyalloc.OutOfMemoryError):
         mr.allocate(128 * MiB)
     assert sim_defaults.memory_allocated() == 0 and mr._streams == {}
+
+
+class FakeStream:
+    """A stream object as cuda.core's Stream presents itself (__cuda_stream__), over a handle of
+    the simulated device; weakly referable, as cuda.core's Stream is."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def test_the_allocator_keeps_a_stream_object_alive_while_it_caches_blocks_of_it(mr, sim_defaults):
+    import weakref
+    sim = sim_defaults.backend
+    s, t = FakeStream(sim.create_stream()), FakeStream(sim.create_stream())
+    ptr, size, _ = mr.allocate(MiB, stream=s)
+    mr.deallocate(ptr, size, stream=s)          # cached on s's handle
+    ptr, size, _ = mr.allocate(MiB, stream=t)   # the resource's memo now holds t, not s
+    gone = weakref.ref(s)
+    del s
+    gc.collect()
+    assert gone() is not None                   # its handle must not pass to a new stream yet
+    mr.deallocate(ptr, size, stream=t)
+    pyalloc.empty_cache()
+    gc.collect()
+    assert gone() is None
+
+
+def test_allocations_through_the_memo_after_empty_cache_keep_their_stream_too(mr, sim_defaults):
+    import weakref
+    sim = sim_defaults.backend
+    s, t = FakeStream(sim.create_stream()), FakeStream(sim.create_stream())
+    ptr, size, _ = mr.allocate(MiB, stream=s)
+    mr.deallocate(ptr, size, stream=s)
+    pyalloc.empty_cache()                       # the allocator lets go of s (no block of it left)
+    ptr, size, _ = mr.allocate(MiB, stream=s)   # s again: served through the memo
+    mr.deallocate(ptr, size, stream=s)
+    other, osize, _ = mr.allocate(MiB, stream=t)
+    gone = weakref.ref(s)
+    del s
+    gc.collect()
+    assert gone() is not None
+    mr.deallocate(other, osize, stream=t)

@@ -91,18 +91,34 @@ class Hold:
 """
 
 
-def record_stream_program(mark):
+def record_stream_program(mark, install=True):
     """x used on a held side stream, marked with `mark`, freed; prints whether the next request
-    of its size got x's block while the side stream was still held, then the side's result."""
+    of its size got x's block while the side stream was still held, then the side's result.
+
+    While the side stream is held, nothing may wait for the device: on the H200 this program hung
+    at the side stream's first `x * 2`, under PyTorch's own allocator as well as pyalloc's (a
+    kernel's first launch loads its module, and allocations may come from the driver). So the
+    multiply runs once before the hold, y is made before it, and a free cached block a little
+    larger than x (`spare`) is there for z: z takes x's block if that is free (the best fit),
+    else the spare, never the driver. The mark "pass" (no record_stream) is the control: there
+    z must get x's block."""
     return HOLD + textwrap.dedent(f"""
-        pt.install()
+        if {install}:
+            pt.install()
         side = torch.cuda.Stream()
         x = torch.ones(16 << 20, device="cuda")
+        spare = torch.empty((16 << 20) + (512 << 10), device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = torch.empty_like(x)
+            torch.mul(x, 2, out=y)                     # loads the kernel before the hold
+        torch.cuda.synchronize()
+        del spare
         hold = Hold()
         side.wait_stream(torch.cuda.current_stream())
         hold.block(side)
         with torch.cuda.stream(side):
-            y = x * 2
+            torch.mul(x, 2, out=y)
         {mark}
         ptr = x.data_ptr()
         del x
@@ -114,14 +130,20 @@ def record_stream_program(mark):
     """)
 
 
+def test_without_record_stream_the_freed_block_is_reused_at_once():
+    # The control for the two tests below: their program can tell reuse from no reuse.
+    lines = run(record_stream_program("pass"), timeout=60)
+    assert lines[0].split() == ["reused", "True", "busy", "True"]
+
+
 def test_record_stream_keeps_memory_until_the_other_stream_is_done():
-    lines = run(record_stream_program("pt.record_stream(x, side)"))
+    lines = run(record_stream_program("pt.record_stream(x, side)"), timeout=60)
     assert lines[0].split() == ["reused", "False", "busy", "True"]
     assert lines[1].split() == ["sum", "8.0"]
 
 
 def test_tensor_record_stream_reaches_pyalloc():
-    lines = run(record_stream_program("x.record_stream(side)"))
+    lines = run(record_stream_program("x.record_stream(side)"), timeout=60)
     assert lines[0].split() == ["reused", "False", "busy", "True"]
     assert lines[1].split() == ["sum", "8.0"]
 
