@@ -4,7 +4,8 @@ caching allocator, in one run on a GPU.
 PyTorch takes its allocator once per process, so each allocator runs in its own child process;
 the parent starts one child per allocator per round, in an order that rotates from round to
 round, and reports the median over rounds of each child's median time per allocation+free
-(a loop of `torch.empty(1 MiB, uint8, cuda)` whose result is dropped at once).
+(a loop of `torch.empty(1 MiB, uint8, cuda)` whose result is dropped at once). Every child runs
+pinned to the same CPU (--cpu), so that the comparison is not one between cores.
 
 A third child loads a one-slot cache through the same pluggable path (pyalloc_torch_one_slot_*
 in libpyalloc_torch.so: no lock, no statistics), so that the cost of PyTorch's pluggable path
@@ -21,9 +22,11 @@ import subprocess
 import sys
 
 CHILD = r"""
-import json, statistics, sys, time
+import json, os, statistics, sys, time
+kind, n, repeats, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+if cpu >= 0:
+    os.sched_setaffinity(0, {cpu})
 import torch
-kind, n, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if kind == "pyalloc":
     import pyalloc.torch as pt
     pt.install()
@@ -44,12 +47,30 @@ for _ in range(repeats):
     for _ in range(n):
         empty(size, dtype=u8, device=dev)
     samples.append((time.perf_counter_ns() - t0) / n)
-slow = None
+slow = direct = None
 if kind == "pyalloc":
     from pyalloc import _capi
     slow = _capi.slow_path_calls()     # cache hits should leave these near the warm-up's misses
+    # The library's two pairs called straight through ctypes in this process, interleaved:
+    # pyalloc's own part without PyTorch around it (ctypes' cost is in both).
+    import ctypes
+    lib = pt.library()
+    fns = {}
+    for name in ("pyalloc_torch", "pyalloc_torch_one_slot"):
+        m, f = getattr(lib, name + "_malloc"), getattr(lib, name + "_free")
+        m.argtypes, m.restype = (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
+        f.argtypes, f.restype = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p), None
+        fns[name] = (m, f)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, (m, f) in fns.items():
+            t0 = time.perf_counter_ns()
+            for _ in range(n // 4):
+                f(m(size, 0, None), size, 0, None)
+            times[name].append((time.perf_counter_ns() - t0) / (n // 4))
+    direct = {name: statistics.median(v) for name, v in times.items()}
 print(json.dumps({"kind": kind, "ns": statistics.median(samples), "slow_path_calls": slow,
-                  "allocations": 2000 + n * repeats}))
+                  "allocations": 2000 + n * repeats, "ctypes_pairs": direct}))
 """
 
 KINDS = ("native", "pyalloc", "one-slot")
@@ -61,13 +82,20 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=20000, help="allocations per timed loop")
     parser.add_argument("--repeats", type=int, default=15, help="timed loops per child")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--cpu", type=int, default=None,
+                        help="CPU every child runs on (default: the last one this process may "
+                             "use; -1: no pinning). One CPU for all children keeps the clock and "
+                             "caches the same for each allocator")
     args = parser.parse_args(argv)
+    cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     per_kind = {k: [] for k in KINDS}
     slow_path = (None, None)
+    direct = []
     for r in range(args.rounds):
         order = KINDS[r % 3:] + KINDS[:r % 3]
         for kind in order:
-            out = subprocess.run([sys.executable, "-c", CHILD, kind, str(args.n), str(args.repeats)],
+            out = subprocess.run([sys.executable, "-c", CHILD, kind, str(args.n), str(args.repeats),
+                                  str(cpu)],
                                  capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
             if out.returncode != 0:
                 print(f"{kind} child failed:\n{out.stderr[-3000:]}", file=sys.stderr)
@@ -76,21 +104,27 @@ def main(argv=None):
             per_kind[kind].append(child["ns"])
             if child["slow_path_calls"] is not None:
                 slow_path = (child["slow_path_calls"], child["allocations"])
+                direct.append(child["ctypes_pairs"]["pyalloc_torch"]
+                              - child["ctypes_pairs"]["pyalloc_torch_one_slot"])
     med = {k: statistics.median(v) for k, v in per_kind.items()}
     result = {
         "ns_per_alloc_free": med,
         "rounds": args.rounds,
+        "cpu": cpu,
         "pyalloc_over_native": med["pyalloc"] / med["native"],
         "one_slot_over_native": med["one-slot"] / med["native"],
         "pyalloc_own_ns": med["pyalloc"] - med["one-slot"],
         "per_round": per_kind,
         "pyalloc_slow_path_calls": slow_path[0], "pyalloc_allocations": slow_path[1],
+        "pyalloc_own_ns_through_ctypes": statistics.median(direct),
     }
     print(f"torch.empty(1 MiB)+free, median of {args.rounds} rounds (ns): "
           + ", ".join(f"{k} {med[k]:.0f}" for k in KINDS))
     print(f"pyalloc / native = {result['pyalloc_over_native']:.3f} (target <= 0.8); "
           f"one-slot / native = {result['one_slot_over_native']:.3f}; "
           f"pyalloc's own code: {result['pyalloc_own_ns']:.0f} ns per allocation+free")
+    print(f"pyalloc's own code called through ctypes in the pyalloc child (its pair minus the "
+          f"one-slot pair, median of rounds): {result['pyalloc_own_ns_through_ctypes']:.0f} ns")
     print(f"pyalloc child, last round: {slow_path[1]} allocations, of which the C entry points sent "
           f"down the ordinary (GIL) path: {slow_path[0]}")
     if args.json:

@@ -200,6 +200,7 @@ cdef class CudaDevice(Backend):
     # Expandable segments: physical allocation handle of each mapped page, by page address.
     cdef unordered_map[uintptr_t, cydriver.CUmemGenericAllocationHandle] _page_handles
     cdef readonly size_t mapped_bytes          # bytes currently mapped through vm_map
+    cdef readonly Py_ssize_t live_reservations # address ranges reserved through vm_reserve, not freed
     cdef vector[int] _peers                    # devices that can access this one's memory
     cdef bint _peers_known
     # Executable graph of each graph launched through graph_launch (instantiated on its first
@@ -813,6 +814,7 @@ cdef class CudaDevice(Backend):
             return BACKEND_OOM
         check(r, "cuMemAddressReserve")
         base[0] = <uintptr_t>ptr
+        self.live_reservations += 1
         return BACKEND_OK
 
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
@@ -826,6 +828,7 @@ cdef class CudaDevice(Backend):
                 r_unrelax = _unrelax(mode)
         check(r_relax, "cuThreadExchangeStreamCaptureMode")
         check(r, "cuMemAddressFree")
+        self.live_reservations -= 1
         check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
         return BACKEND_OK
 

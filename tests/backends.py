@@ -80,6 +80,8 @@ class CudaTestDevice:
     a CudaDevice; see the module doc. `backend` is the CudaDevice, `alloc` (set by the suite) the
     allocator whose segments segments() reports."""
 
+    watchdog_s = WATCHDOG_S      # seconds without a call before the watchdog completes all work
+
     def __init__(self, backend):
         from cuda.bindings import driver
         self.backend = backend
@@ -104,7 +106,7 @@ class CudaTestDevice:
 
     def _watch(self):
         while not self._closing.wait(0.05):
-            if time.monotonic() - self._last_call < WATCHDOG_S:
+            if time.monotonic() - self._last_call < self.watchdog_s:
                 continue
             with self._lock:
                 released = False
@@ -241,4 +243,80 @@ class CudaTestDevice:
             _check(driver.cuStreamDestroy(stream), "cuStreamDestroy")
         self._streams.clear()
         _check(driver.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+        return leftover
+
+
+class CudaPropertyDevice(CudaTestDevice):
+    """The device view the property tests (tests/test_properties.py) read, over a CudaDevice: a
+    device of `total` bytes, made by capping the allocator with a memory fraction (the GPU's own
+    memory is far larger), with SimDevice's test API and its memory views.
+
+    `cap` is the allocator's allowed maximum in bytes, computed as the allocator computes it from
+    the fraction (so that a request that exactly fills the device is judged alike);
+    mem_get_info, used_memory and mapped_memory count what the allocator holds from the driver
+    (the CudaDevice's own counts); reservations() lists one entry per address range reserved and
+    not freed (the CudaDevice counts them: the driver has no query); is_mapped asks the driver
+    for the physical allocation behind every 2 MiB of a range."""
+
+    # A state machine step blocks in a synchronizing call more often than a policy test does
+    # (every out-of-memory flush waits for pending events): release sooner.
+    watchdog_s = 0.25
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self._events = []
+        self.cap = None          # the allocator's cap in bytes (cap_to)
+        self.total = None        # bytes of the device this view stands for (the caller sets it)
+
+    def cap_to(self, alloc, total_memory):
+        """Cap `alloc` to `total_memory` bytes of this GPU; returns the cap in bytes."""
+        _, device_total = self.backend.mem_get_info()
+        fraction = total_memory / device_total
+        alloc.set_memory_fraction(fraction)
+        self.cap = int(fraction * float(device_total))     # the allocator's own arithmetic
+        return self.cap
+
+    def mem_get_info(self):
+        """(free, total) bytes of the device of `total` bytes this view stands for."""
+        return max(0, self.total - self.used_memory), self.total
+
+    @property
+    def used_memory(self):
+        return self.backend.live_bytes + self.backend.mapped_bytes
+
+    @property
+    def mapped_memory(self):
+        return self.backend.mapped_bytes
+
+    def reservations(self):
+        return [("reserved range", i) for i in range(self.backend.live_reservations)]
+
+    def is_mapped(self, addr, nbytes):
+        from cuda.bindings import driver
+        page = addr & ~(2 * MiB - 1)
+        while page < addr + nbytes:
+            err, handle = driver.cuMemRetainAllocationHandle(page)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                return False
+            _check(driver.cuMemRelease(handle), "cuMemRelease")
+            page += 2 * MiB
+        return True
+
+    def record_event(self, stream=0):
+        self._touch()
+        event = self.backend.record_event(stream)
+        self._events.append(event)
+        return event
+
+    def wait_event(self, stream, event):
+        from cuda.bindings import driver
+        self._touch()
+        _check(driver.cuStreamWaitEvent(driver.CUstream(stream), driver.CUevent(event), 0),
+               "cuStreamWaitEvent")
+
+    def close(self):
+        leftover = super().close()
+        for event in self._events:
+            self.backend.destroy_event(event)
+        self._events.clear()
         return leftover

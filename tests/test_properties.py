@@ -45,6 +45,7 @@ and, for the step it just took, that
 """
 
 import bisect
+import os
 
 import pytest
 from hypothesis import HealthCheck, event, settings, strategies as st
@@ -52,6 +53,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
+
+from backends import cuda_unavailable_reason
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -99,18 +102,15 @@ class AllocatorMachine(RuleBasedStateMachine):
                 total_memory=st.sampled_from([96 * MiB, 160 * MiB, 512 * MiB, 4 * GiB]),
                 data=st.data())
     def make_allocator(self, config, total_memory, data):
-        self.sim = SimDevice(total_memory)
-        self.alloc = CachingAllocator(backend=self.sim, config=config)
+        self.sim, backend = self.make_device(total_memory)
+        self.alloc = CachingAllocator(backend=backend, config=config)
         self.gc = "garbage_collection" in config
         self.expandable = "expandable" in config
         self.max_split = "max_split_size" in config
         fraction = data.draw(st.sampled_from(FRACTIONS) if self.gc
                              else st.one_of(st.none(), st.sampled_from(FRACTIONS)), label="fraction")
         event(f"config: {config or 'default'}" + (f", fraction {fraction}" if fraction else ""))
-        self.limit = 0
-        if fraction is not None:
-            self.alloc.set_memory_fraction(fraction)
-            self.limit = int(fraction * total_memory)
+        self.limit = self.apply_fraction(fraction, total_memory)
         self.streams = [0] + [self.sim.create_stream() for _ in range(NUM_STREAMS - 1)]
         # ptr -> (requested bytes, allocation stream, recorded streams, pool id of its segment)
         self.live = {}
@@ -120,6 +120,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.released_pools = set()   # ids of pools given up with release()
         self.scopes = []      # (pool, entered use_mem_pool context manager), outermost first
         self.steps_since_drain = 0
+
+    def make_device(self, total_memory):
+        """(the device view the checks read, the allocator's backend): a SimDevice of
+        `total_memory` bytes, both."""
+        sim = SimDevice(total_memory)
+        return sim, sim
+
+    def apply_fraction(self, fraction, total_memory):
+        """Set the drawn memory fraction (None: none); returns the cap in bytes (0: none)."""
+        if fraction is None:
+            return 0
+        self.alloc.set_memory_fraction(fraction)
+        return int(fraction * total_memory)
 
     def teardown(self):
         # Leave open scopes innermost first, so that the pools' finalizers find them closed.
@@ -663,6 +676,53 @@ AllocatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow])
 
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+# ------------------------------------------------------------------------------- on the GPU
+#
+# The same machine over CudaDevice (the conformance suite's other backend, tests/backends.py):
+# real streams whose work is held on host flags, real segments and mappings. A device of
+# `total_memory` bytes is the GPU capped by a memory fraction, so out-of-memory stays common; the
+# drawn fraction, if any, applies on top (cap = fraction x total_memory). Fewer, shorter examples
+# than on SimDevice: every step makes driver calls, and a flush that waits for held work waits
+# for the watchdog.
+
+class CudaAllocatorMachine(AllocatorMachine):
+
+    def make_device(self, total_memory):
+        from pyalloc.cuda_backend import open_device
+        from backends import CudaPropertyDevice
+        view = CudaPropertyDevice(open_device(0))
+        view.total = total_memory
+        return view, view.backend
+
+    def apply_fraction(self, fraction, total_memory):
+        self.sim.alloc = self.alloc
+        cap = self.sim.cap_to(self.alloc, (1.0 if fraction is None else fraction) * total_memory)
+        return 0 if fraction is None else cap
+
+    def teardown(self):
+        super().teardown()
+        view = getattr(self, "sim", None)
+        if view is not None:
+            for pool in getattr(self, "pools", []):
+                if pool.id not in self.released_pools:
+                    pool.release()
+            self.sim = None
+            view.close()
+            self.alloc = None
+
+
+CudaAllocatorMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("PYALLOC_CUDA_PROPERTY_EXAMPLES", "40")),
+    stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.skipif(cuda_unavailable_reason() is not None,
+                    reason=str(cuda_unavailable_reason()))
+class TestCudaAllocatorMachine(CudaAllocatorMachine.TestCase):
+    pass
 
 
 # ------------------------------------------------------------------------------- found by the machine
