@@ -241,9 +241,12 @@ cdef class CoreResourceState:
     cdef dict _registry_vars
     cdef public object from_handle
     cdef bint _takes_stream
+    cdef bint _legacy_is_zero
 
-    def __init__(self, int device_id, registry, from_handle, bint takes_stream):
+    def __init__(self, int device_id, registry, from_handle, bint takes_stream,
+                 bint legacy_is_stream_zero):
         self.device_id = device_id
+        self._legacy_is_zero = legacy_is_stream_zero
         self.streams = {}
         self.last_stream = None
         self.last_handle = 0
@@ -256,6 +259,28 @@ cdef class CoreResourceState:
         if alloc is None:
             alloc = mr._allocator()
         return alloc
+
+    cdef uintptr_t freed_on(self, mr, stream, alloc) except? 0:
+        """The handle of a deallocation stream. cuda.core hands deallocate a new Stream object
+        for the Buffer's stream each time, so the allocate memo would never match (and would be
+        thrown out at every call): the handle is read from __cuda_stream__ directly, with the
+        legacy stream folded as pyalloc._streams does; other objects go to the resource's
+        _stream_handle. (0 is a valid answer: Cython checks for an error then.)"""
+        cdef uintptr_t handle
+        if stream is self.last_stream:
+            return self.last_handle
+        if type(stream) is int:
+            return <uintptr_t>stream
+        proto_of = getattr(stream, "__cuda_stream__", None)
+        if proto_of is None:
+            return mr._stream_handle(stream, alloc)
+        proto = proto_of()
+        if type(proto) is not tuple or len(<tuple>proto) != 2 or type((<tuple>proto)[1]) is not int:
+            return mr._stream_handle(stream, alloc)     # its TypeError names what came back
+        handle = <uintptr_t>(<tuple>proto)[1]
+        if handle == 1 and self._legacy_is_zero and alloc.backend.kind == "cuda":
+            return 0
+        return handle
 
 
 @cython.binding(True)              # a method of the resource class (the module builds without binding)
@@ -304,10 +329,7 @@ def core_deallocate(mr, ptr, size, stream=None):
                          f"{mr!r}: allocated elsewhere or already freed")
     alloc = st.allocator(mr)
     if stream is not None:
-        if stream is st.last_stream:
-            freed_on = st.last_handle
-        else:
-            freed_on = mr._handle_of(stream, alloc)
+        freed_on = st.freed_on(mr, stream, alloc)
         if freed_on != <uintptr_t>allocated_on:
             alloc.record_stream(ptr, freed_on)
     del st.streams[ptr]

@@ -96,7 +96,7 @@ def _build():
             # deallocation stream only when that is another stream), the stream memo, and
             # cuda.core's Buffer.from_handle.
             self._state = _hooks.CoreResourceState(device_id, registry, self._from_handle,
-                                                   takes_stream)
+                                                   takes_stream, _streams.LEGACY_IS_STREAM_ZERO)
             self._allocator()                     # fails now, not at the first allocate
 
         def _allocator(self):
@@ -109,24 +109,27 @@ def _build():
                     "(pyalloc.set_default_backend(None) or 'cuda')")
             return alloc
 
+        def _stream_handle(self, stream, alloc):
+            """The allocator's key for `stream` (not None): its handle, CU_STREAM_LEGACY folded
+            into 0 (pyalloc._streams)."""
+            handle = stream_handle(stream)
+            if handle == fold_from:
+                handle = _streams.fold_legacy(handle, alloc.backend)
+            return handle
+
         def _handle_of(self, stream, alloc):
-            """The allocator's key for `stream` (not None), remembered for the next call (the
-            memo of allocate and deallocate: a program allocates on a few streams over and over,
-            and working a handle out of a stream object costs more than the rest of a call; the
-            memo holds one stream object).
+            """The allocator's key for the allocation stream `stream` (not None, no
+            GraphBuilder), remembered for the next allocate (the memo: a program allocates on a
+            few streams over and over, and working a handle out of a stream object costs more
+            than the rest of a call; the memo holds one stream object).
 
             A stream object other than the default stream is kept alive by the allocator while
             it holds blocks of that stream (hold_stream): cuda.core destroys a Stream when it is
             closed or collected, and the driver gives its handle to the next new stream, which
             would otherwise be handed blocks the old stream's work may still use. The stream
             this call replaces in the memo is registered too, since allocations made through the
-            memo skipped the registration. A GraphBuilder is never remembered (allocate refuses
-            it before it gets here)."""
-            handle = stream_handle(stream)
-            if handle == fold_from:
-                handle = _streams.fold_legacy(handle, alloc.backend)
-            if type(stream).__name__ == "GraphBuilder":
-                return handle
+            memo skipped the registration."""
+            handle = self._stream_handle(stream, alloc)
             state = self._state
             for obj, h in ((state.last_stream, state.last_handle), (stream, handle)):
                 if h != 0 and obj is not None and type(obj) is not int:

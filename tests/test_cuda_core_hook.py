@@ -216,3 +216,28 @@ def test_allocations_through_the_memo_after_empty_cache_keep_their_stream_too(mr
     gc.collect()
     assert gone() is not None
     mr.deallocate(other, osize, stream=t)
+
+
+def test_a_new_object_for_the_allocation_stream_at_deallocate_is_that_stream(mr, sim_defaults):
+    # cuda.core hands deallocate a new Stream object for the Buffer's stream each time.
+    sim = sim_defaults.backend
+    s = FakeStream(sim.create_stream())
+    ptr, size, _ = mr.allocate(MiB, stream=s)
+    sim.launch(s.handle, uses=(ptr,))
+    mr.deallocate(ptr, size, stream=FakeStream(s.handle))
+    again, _, _ = mr.allocate(MiB, stream=s)       # stream order, no event: reused at once
+    assert again == ptr
+    assert mr._state.last_stream is s              # the memo still holds the allocation stream
+    mr.deallocate(again, size, stream=FakeStream(s.handle))
+
+
+def test_deallocate_reads_a_streams_protocol_answer_and_refuses_a_bad_one(mr, sim_defaults):
+    class Bad:
+        def __cuda_stream__(self):
+            return "not a tuple"
+
+    ptr, size, _ = mr.allocate(MiB)
+    with pytest.raises(TypeError, match="__cuda_stream__"):
+        mr.deallocate(ptr, size, stream=Bad())
+    assert sim_defaults.memory_allocated() == MiB      # refused: nothing freed
+    mr.deallocate(ptr, size, stream=None)

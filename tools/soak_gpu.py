@@ -19,6 +19,10 @@ everything is freed, the device synchronized, and pyalloc.empty_cache() run; dev
 (cudaMemGetInfo) must be back at its level before the phase (within --leak-mib, default 16: the
 CUDA context may grow by itself).
 
+With --control-seconds, the same load then runs on CuPy's own memory pool (pyalloc uninstalled;
+the cross-stream checks make the allocation stream wait instead of record_stream), and its device
+memory growth is reported beside pyalloc's: growth that shows there too is not pyalloc's.
+
 Prints one line per phase and a JSON summary last (allocations/s, corruption count, device memory
 before and after, expandable segments seen). Exit status 0 when there was no corruption, no leak
 and no error; 1 otherwise; 2 when CuPy or a GPU is missing.
@@ -67,9 +71,14 @@ def parse_args(argv):
                    help="replace one stream of a thread every N allocations (0: never; default 300)")
     p.add_argument("--leak-mib", type=float, default=16.0,
                    help="device memory growth over a phase taken as a leak, MiB (default 16)")
+    p.add_argument("--control-seconds", type=float, default=0.0,
+                   help="after the pyalloc phases, run the same load this long on CuPy's own "
+                        "memory pool (pyalloc uninstalled) and report its device memory growth "
+                        "too: growth there is not pyalloc's (default 0: no control phase)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", help="also write the summary to this file")
     args = p.parse_args(argv)
+    args.control = False
     if args.seconds <= 0 or args.threads < 1 or args.streams < 1 or args.window < 1 or args.max_mib <= 0:
         p.error("--seconds, --max-mib must be > 0 and --threads, --streams, --window >= 1")
     return args
@@ -87,8 +96,10 @@ class Worker(threading.Thread):
         self.streams_replaced = 0
         self.error = None
         self.bad = None
-        import pyalloc
-        self.record_stream = pyalloc.record_stream
+        self.record_stream = None          # control phase: CuPy's pool has no record_stream
+        if not args.control:
+            import pyalloc
+            self.record_stream = pyalloc.record_stream
 
     def launch(self, kernel, n, *args):
         blocks = int(min(1024, max(1, (n + 255) // 256)))
@@ -136,7 +147,10 @@ class Worker(threading.Thread):
             user.wait_event(alloc_stream.record())
             with user:
                 self.launch(self.check, n, arr, np.uint64(n), np.uint32(seed), self.bad)
-            self.record_stream(arr, user)
+            if self.record_stream is not None:
+                self.record_stream(arr, user)
+            else:       # the allocation stream waits for the check instead
+                alloc_stream.wait_event(user.record())
             self.cross_stream += 1
         else:
             with alloc_stream:
@@ -203,6 +217,40 @@ def run_phase(args, cp, np, fill, check, expandable, seconds):
     }
 
 
+def run_control_phase(args, cp, np, fill, check, seconds):
+    """The same load on CuPy's own pool (pyalloc uninstalled): device memory in use before and
+    after, once everything is freed and the pool's blocks are released."""
+    args.control = True
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device(0).synchronize()
+    pool.free_all_blocks()
+    used_before = device_used(cp)
+    stop = threading.Event()
+    start = time.monotonic()
+    workers = [Worker(i, args, cp, np, fill, check, stop, start + seconds) for i in range(args.threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - start
+    cp.cuda.Device(0).synchronize()
+    corruption = sum(int(w.bad.get()[0]) for w in workers if w.bad is not None)
+    allocations = sum(w.allocations for w in workers)
+    errors = [f"{w.name}: {w.error}" for w in workers if w.error]
+    for w in workers:
+        w.bad = None
+    workers.clear()
+    gc.collect()
+    cp.cuda.Device(0).synchronize()
+    pool.free_all_blocks()
+    args.control = False
+    return {"seconds": round(elapsed, 1), "arrays": allocations,
+            "arrays_per_s": round(allocations / elapsed, 1),
+            "corruption_without_record_stream": corruption,
+            "device_used_before_mib": round(used_before / MiB, 1),
+            "device_used_after_mib": round(device_used(cp) / MiB, 1), "errors": errors}
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -248,12 +296,19 @@ def main(argv=None):
         for err in phase["errors"]:
             print(f"  {err}", flush=True)
     pyalloc.cupy.uninstall()
+    control = None
+    if args.control_seconds > 0:
+        control = run_control_phase(args, cp, np, fill, check, args.control_seconds)
+        print(f"control, CuPy's own pool: {control['arrays']} arrays in {control['seconds']} s "
+              f"({control['arrays_per_s']}/s), device used {control['device_used_before_mib']} -> "
+              f"{control['device_used_after_mib']} MiB after free_all_blocks, errors "
+              f"{len(control['errors'])}", flush=True)
     ok = all(p["corruption"] == 0 and not p["leak"] and not p["errors"]
              and p["reserved_after_empty_cache"] == 0 and p["allocated_after"] == 0
              and (p["expandable_segments_seen"] > 0) == p["expandable_segments"] for p in phases)
     ok = ok and warm["corruption"] == 0 and not warm["errors"]
     summary = {"ok": ok, "threads": args.threads, "streams_per_thread": args.streams,
-               "warm_up": warm, "phases": phases}
+               "warm_up": warm, "phases": phases, "control_cupy_pool": control}
     line = json.dumps(summary)
     print(line)
     if args.json:
