@@ -43,6 +43,9 @@ cdef class DeviceCachingAllocator:
     cdef unordered_set[uintptr_t] allocation_streams_kept
     cdef dict allocation_stream_objects               # handle -> stream object
     cdef object pins_lock                             # orders changes of the two dicts above
+    # Allocation streams the program has dropped (only the allocator holds their object): an event
+    # recorded on each; once it completes, the object is let go (reap_dropped_streams).
+    cdef unordered_map[uintptr_t, uintptr_t] retiring_streams     # handle -> event
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools

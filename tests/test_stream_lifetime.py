@@ -237,6 +237,76 @@ def test_a_new_stream_never_gets_blocks_cached_for_a_dead_streams_queued_work():
     assert alloc.malloc(4 * KiB, s2) != p
 
 
+def dropped_stream_with_queued_work(sim, alloc):
+    """A stream the program dropped while its block was cached for it and its work still queued;
+    returns (weak reference to it, its handle, the block)."""
+    s = SimStream(sim)
+    p = alloc.malloc(4 * KiB, s)
+    sim.launch(s.ptr)
+    alloc.free(p)
+    gone, handle = weakref.ref(s), s.ptr
+    del s
+    return gone, handle, p
+
+
+def test_a_dropped_stream_is_let_go_once_its_work_is_done():
+    # Kept until empty_cache, every stream a program makes and drops stayed alive (on the GPU,
+    # with the device memory each stream holds: the soak's growth outside pyalloc).
+    sim, alloc = make()
+    gone, handle, p = dropped_stream_with_queued_work(sim, alloc)
+    other = SimStream(sim)
+    alloc.free(alloc.malloc(4 * KiB, other))     # a new stream: the dropped one gets an event
+    assert gone() is not None                    # its work is still queued
+    sim.complete(handle)
+    alloc.process_events()
+    assert gone() is None
+
+
+def test_the_handle_of_a_let_go_stream_brings_its_cached_block_to_the_next_stream_safely():
+    sim, alloc = make()
+    gone, handle, p = dropped_stream_with_queued_work(sim, alloc)
+    other = SimStream(sim)
+    alloc.free(alloc.malloc(4 * KiB, other))
+    sim.complete(handle)
+    alloc.process_events()
+    new = SimStream(sim)
+    assert new.ptr == handle                     # the driver hands the handle out again
+    assert alloc.malloc(4 * KiB, new) == p       # the old work is over: reuse is safe
+
+
+def test_a_stream_the_program_still_holds_is_not_let_go():
+    sim, alloc = make()
+    s = SimStream(sim)
+    alloc.free(alloc.malloc(4 * KiB, s))
+    other = SimStream(sim)
+    alloc.free(alloc.malloc(4 * KiB, other))
+    sim.synchronize()
+    alloc.process_events()
+    assert not sim.is_destroyed(s.ptr)
+    assert alloc.malloc(4 * KiB, s) is not None
+
+
+def test_the_event_of_a_dropped_stream_does_not_count_as_a_block_waiting():
+    # The C entry points serve cache hits only while no block waits for an event.
+    sim, alloc = make()
+    gone, handle, p = dropped_stream_with_queued_work(sim, alloc)
+    other = SimStream(sim)
+    alloc.free(alloc.malloc(4 * KiB, other))
+    assert alloc.memory_stats()["active_bytes.all.current"] == 0
+    assert sim.counters["event_record"] == 1 and alloc._outstanding_events() == 0
+
+
+def test_an_allocator_destroys_the_event_of_a_dropped_stream_when_it_dies():
+    sim, alloc = make()
+    gone, handle, p = dropped_stream_with_queued_work(sim, alloc)
+    other = SimStream(sim)
+    alloc.free(alloc.malloc(4 * KiB, other))
+    assert sim.counters["event_create"] == 1
+    del alloc
+    gc.collect()
+    assert sim.counters["event_destroy"] == 1
+
+
 def test_a_buffer_keeps_its_stream_object_alive_like_malloc():
     sim, alloc = make()
     s = SimStream(sim)
