@@ -252,6 +252,34 @@ def empty_cache_waits_for_pending_events():
 
 
 @scenario
+def a_dropped_allocation_stream_is_let_go_when_its_event_completes():
+    import weakref
+
+    class Stream:                                # a framework stream object (CuPy's has .ptr)
+        def __init__(self, handle):
+            self.ptr = handle
+
+    a = cuda_allocator(0)
+    s = Stream(81)
+    ptr = a.malloc(MiB, stream=s)
+    fake.fake_launch(81, 1)                      # work on s, still queued
+    a.free(ptr)
+    gone = weakref.ref(s)
+    del s
+    records = fake.fake_count(b"event_record")
+    other = Stream(82)
+    a.free(a.malloc(MiB, stream=other))          # a new stream: an event is recorded on 81
+    out = [gone() is not None, fake.fake_count(b"event_record") - records]
+    a.process_events()
+    out.append(gone() is not None)               # the event has not completed
+    fake.fake_complete(81)
+    a.process_events()
+    out.append(gone() is None)
+    a.empty_cache()
+    return out
+
+
+@scenario
 def cuda_error_names_call_and_result():
     a = cuda_allocator(0)
     fake.fake_fail_next(b"cuMemAlloc", 700)

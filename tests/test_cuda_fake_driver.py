@@ -122,6 +122,12 @@ def test_empty_cache_synchronizes_pending_events_before_releasing(results):
     assert value(results, "empty_cache_waits_for_pending_events") == [0, 0]
 
 
+def test_a_dropped_allocation_stream_is_let_go_once_the_driver_says_its_work_is_done(results):
+    kept, recorded, kept_while_pending, let_go = value(
+        results, "a_dropped_allocation_stream_is_let_go_when_its_event_completes")
+    assert (kept, recorded, kept_while_pending, let_go) == (True, 1, True, True)
+
+
 def test_driver_errors_raise_cuda_error_naming_call_and_result(results):
     v = value(results, "cuda_error_names_call_and_result")
     call, result, name, message, is_runtime_error = v["error"]
