@@ -2058,6 +2058,27 @@ cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
 
 # ------------------------------------------------------------------------------- events
 
+cdef inline uintptr_t take_recorded_event(DeviceCachingAllocator a, uintptr_t stream) except? 0:
+    """An idle event (made when none is pooled) recorded on `stream` now. As PyTorch, it is an
+    event of the stream's own device: an event and a stream of different contexts cannot be
+    recorded together. A failed record puts the event back and raises."""
+    cdef uintptr_t event
+    cdef int device = a.backend.stream_device(stream)
+    if device != a.backend.device:
+        event = take_foreign_event(a, device)
+    elif a.event_pool.empty():
+        a.backend.event_create(&event)
+    else:
+        event = a.event_pool.back()
+        a.event_pool.pop_back()
+    try:
+        a.backend.event_record(event, stream)
+    except BaseException:
+        return_event(a, event)
+        raise
+    return event
+
+
 cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
     """Record an event on every stream that used `b`; b returns to its pool when all complete."""
     cdef vector[uintptr_t] streams
@@ -2065,24 +2086,9 @@ cdef int insert_events(DeviceCachingAllocator a, Block* b) except -1:
     cdef uintptr_t event
     cdef uintptr_t stream
     cdef size_t done = 0
-    cdef int device
     try:
         for stream in streams:
-            # As PyTorch: the event is made and recorded on the stream's own device (an event
-            # and a stream of different contexts cannot be recorded together).
-            device = a.backend.stream_device(stream)
-            if device != a.backend.device:
-                event = take_foreign_event(a, device)
-            elif a.event_pool.empty():
-                a.backend.event_create(&event)
-            else:
-                event = a.event_pool.back()
-                a.event_pool.pop_back()
-            try:
-                a.backend.event_record(event, stream)
-            except BaseException:
-                return_event(a, event)
-                raise
+            event = take_recorded_event(a, stream)
             b.event_count += 1
             a.stream_events[stream].push_back(EventEntry(event, b))
             a.outstanding_events += 1
@@ -2225,8 +2231,7 @@ cdef int reap_dropped_streams(DeviceCachingAllocator a) except -1:
     cdef PyObject* pinned
     cdef Py_ssize_t pos = 0
     cdef Py_ssize_t holders
-    cdef uintptr_t h, event
-    cdef int device
+    cdef uintptr_t h
     cdef unordered_map[uintptr_t, uintptr_t].iterator it
     if a.capture_routes or not a.captures_underway.empty():
         return 0
@@ -2252,20 +2257,7 @@ cdef int reap_dropped_streams(DeviceCachingAllocator a) except -1:
             for h in dropped_handles:
                 it = a.retiring_streams.find(h)
                 if it == a.retiring_streams.end():
-                    device = a.backend.stream_device(h)
-                    if device != a.backend.device:
-                        event = take_foreign_event(a, device)
-                    elif a.event_pool.empty():
-                        a.backend.event_create(&event)
-                    else:
-                        event = a.event_pool.back()
-                        a.event_pool.pop_back()
-                    try:
-                        a.backend.event_record(event, h)
-                    except BaseException:
-                        return_event(a, event)
-                        raise
-                    a.retiring_streams[h] = event
+                    a.retiring_streams[h] = take_recorded_event(a, h)
                 elif a.backend.event_query(deref(it).second):
                     return_event(a, deref(it).second)
                     a.retiring_streams.erase(it)

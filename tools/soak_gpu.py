@@ -163,6 +163,30 @@ def device_used(cp):
     return total - free
 
 
+def run_workers(args, cp, np, fill, check, seconds, sample=None):
+    """Run --threads workers for `seconds` (calling sample() about 20 times meanwhile); returns
+    (elapsed s, arrays allocated, corruption count, error lines) once the device is idle."""
+    stop = threading.Event()
+    start = time.monotonic()
+    workers = [Worker(i, args, cp, np, fill, check, stop, start + seconds) for i in range(args.threads)]
+    for w in workers:
+        w.start()
+    while any(w.is_alive() for w in workers):
+        time.sleep(min(1.0, max(0.05, seconds / 20)))
+        if sample is not None:
+            sample()
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - start
+    cp.cuda.Device(0).synchronize()
+    corruption = sum(int(w.bad.get()[0]) for w in workers if w.bad is not None)
+    allocations = sum(w.allocations for w in workers)
+    errors = [f"{w.name}: {w.error}" for w in workers if w.error]
+    for w in workers:
+        w.bad = None              # the workers' device arrays go before the memory is measured
+    return elapsed, allocations, corruption, errors
+
+
 def run_phase(args, cp, np, fill, check, expandable, seconds):
     import pyalloc
     pyalloc.set_allocator_settings(f"expandable_segments:{expandable}")
@@ -171,28 +195,14 @@ def run_phase(args, cp, np, fill, check, expandable, seconds):
     pyalloc.empty_cache()
     used_before = device_used(cp)
     stats_before = alloc.memory_stats()["allocation.all.allocated"]
-    stop = threading.Event()
-    start = time.monotonic()
-    workers = [Worker(i, args, cp, np, fill, check, stop, start + seconds) for i in range(args.threads)]
-    expandable_seen = 0
-    for w in workers:
-        w.start()
-    # Sample the segments while the workers run: the phase's setting must show in them.
-    while any(w.is_alive() for w in workers):
-        time.sleep(min(1.0, max(0.05, seconds / 20)))
-        expandable_seen = max(expandable_seen,
-                              sum(1 for seg in alloc._segments() if seg.get("is_expandable")))
-    for w in workers:
-        w.join()
-    elapsed = time.monotonic() - start
-    cp.cuda.Device(0).synchronize()
-    corruption = sum(int(w.bad.get()[0]) for w in workers if w.bad is not None)
-    allocations = sum(w.allocations for w in workers)
+    seen = [0]
+
+    def sample():       # while the workers run: the phase's setting must show in the segments
+        seen[0] = max(seen[0], sum(1 for seg in alloc._segments() if seg.get("is_expandable")))
+
+    elapsed, allocations, corruption, errors = run_workers(args, cp, np, fill, check, seconds, sample)
+    expandable_seen = seen[0]
     all_allocations = alloc.memory_stats()["allocation.all.allocated"] - stats_before
-    for w in workers:
-        w.bad = None
-    errors = [f"{w.name}: {w.error}" for w in workers if w.error]
-    workers.clear()
     gc.collect()                       # arrays held by reference cycles (e.g. a traceback)
     cp.cuda.Device(0).synchronize()
     alloc.process_events()
@@ -225,21 +235,7 @@ def run_control_phase(args, cp, np, fill, check, seconds):
     cp.cuda.Device(0).synchronize()
     pool.free_all_blocks()
     used_before = device_used(cp)
-    stop = threading.Event()
-    start = time.monotonic()
-    workers = [Worker(i, args, cp, np, fill, check, stop, start + seconds) for i in range(args.threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    elapsed = time.monotonic() - start
-    cp.cuda.Device(0).synchronize()
-    corruption = sum(int(w.bad.get()[0]) for w in workers if w.bad is not None)
-    allocations = sum(w.allocations for w in workers)
-    errors = [f"{w.name}: {w.error}" for w in workers if w.error]
-    for w in workers:
-        w.bad = None
-    workers.clear()
+    elapsed, allocations, corruption, errors = run_workers(args, cp, np, fill, check, seconds)
     gc.collect()
     cp.cuda.Device(0).synchronize()
     pool.free_all_blocks()
