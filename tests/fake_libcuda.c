@@ -27,7 +27,14 @@
  *     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the conflicting captures; querying or
  *     synchronizing an event recorded in a capture fails with CUDA_ERROR_CAPTURED_EVENT;
  *   - a log of the memory calls with this thread's capture mode at each, and of the mode
- *     exchanges (fake_log, fake_log_reset), for checking that calls are relaxed and restored.
+ *     exchanges (fake_log, fake_log_reset), for checking that calls are relaxed and restored;
+ *   - what the conformance suite's CudaTestDevice (tests/backends.py) drives a GPU with:
+ *     cuStreamCreate/cuStreamDestroy (a destroyed stream's handle is handed out again, as the
+ *     driver does), mapped host memory (cuMemHostAlloc, cuMemHostGetDevicePointer: the same
+ *     address, cuMemFreeHost), cuStreamWaitValue32 (a unit of work that completes once the host
+ *     word reaches the value: polled when an event is queried), cuStreamWaitEvent (ordering not
+ *     modelled), and cuMemRetainAllocationHandle over the mapped ranges. The synchronizing calls
+ *     complete a stream's work without waiting for its words, as the suite's watchdog would.
  * Test-only entry points (fake_*) are called through ctypes.
  */
 #include <stddef.h>
@@ -67,8 +74,11 @@ struct node { struct graph *graph; size_t n_deps; struct node *deps[MAX_DEPS]; }
 struct graph { unsigned long long capture_id; size_t n_nodes; long launches;
                struct node nodes[MAX_NODES]; };
 struct exec { struct graph *graph; };
+#define MAX_WAITS 256
+struct wait { unsigned long long unit; const volatile unsigned *word; unsigned value; };
 struct stream {
     uintptr_t handle; unsigned long long launched, completed;
+    size_t n_waits; struct wait waits[MAX_WAITS];   /* cuStreamWaitValue32 units not yet done */
     int device;                        /* fake_set_stream_device's, else -1: the current context's */
     int capture;                       /* CAPTURE_NONE / ACTIVE / INVALIDATED */
     int capture_mode; const void *capture_thread; unsigned long long capture_id;
@@ -76,7 +86,8 @@ struct stream {
 };
 struct event { unsigned magic; uintptr_t stream; unsigned long long target; int recorded; unsigned flags;
                int captured; int device; };
-struct phys { unsigned long long handle; size_t size; int device; int live; };
+struct phys { unsigned long long handle; size_t size; int device; int live; int refs; };
+struct mapping { CUdeviceptr ptr; size_t size; unsigned long long handle; int live; };
 
 static int initialized, n_devices = 2;
 static size_t capacity = (size_t)1 << 30;
@@ -97,6 +108,10 @@ static unsigned long long capture_counter, last_instantiate_flags;
 static __thread int thread_mode;                   /* MODE_GLOBAL, as in the driver */
 static __thread char thread_key;                   /* its address names the thread */
 static struct phys phys[MAX_PHYS];
+static struct mapping mappings[MAX_PHYS];
+#define STREAM_HANDLE_BASE 0x5000
+static uintptr_t next_stream_handle = STREAM_HANDLE_BASE, free_handles[MAX_STREAMS];
+static int n_free_handles;
 static unsigned long long next_phys = 1;
 static CUdeviceptr next_va = VA_BASE;
 static long reserved_live, mapped_live;
@@ -152,9 +167,26 @@ static struct stream *get_stream(uintptr_t h) {
     for (int i = 0; i < n_streams; i++)
         if (streams[i].handle == h) return &streams[i];
     if (n_streams == MAX_STREAMS) return &streams[MAX_STREAMS - 1];
+    memset(&streams[n_streams], 0, sizeof streams[0]);   /* cuStreamDestroy may have left a copy */
     streams[n_streams].handle = h;
     streams[n_streams].device = -1;
     return &streams[n_streams++];
+}
+
+/* Complete the stream's units up to the first cuStreamWaitValue32 whose word is still short, if
+ * every unit before it is a wait (a fake_launch unit completes only by fake_complete or a sync). */
+static void advance_waits(struct stream *s) {
+    size_t done = 0;
+    while (done < s->n_waits && s->waits[done].unit == s->completed + 1 &&
+           *s->waits[done].word >= s->waits[done].value) {
+        s->completed++;
+        done++;
+    }
+    while (done < s->n_waits && s->waits[done].unit <= s->completed) done++;  /* synchronized */
+    if (done) {
+        memmove(s->waits, s->waits + done, (s->n_waits - done) * sizeof s->waits[0]);
+        s->n_waits -= done;
+    }
 }
 
 /* A "potentially unsafe" call (logged as name@mode): when a capture forbids it, it fails and the
@@ -348,7 +380,9 @@ CUresult cuEventQuery(struct event *e) {
     if (e->captured) return ERR_CAPTURED_EVENT;
     if ((f = unsafe_call("cuEventQuery"))) return f;
     if (!e->recorded) return SUCCESS;
-    return get_stream(e->stream)->completed >= e->target ? SUCCESS : ERR_NOT_READY;
+    struct stream *s = get_stream(e->stream);
+    advance_waits(s);
+    return s->completed >= e->target ? SUCCESS : ERR_NOT_READY;
 }
 
 CUresult cuEventSynchronize(struct event *e) {
@@ -440,7 +474,7 @@ CUresult cuMemCreate(unsigned long long *handle, size_t size, const int *prop, u
     if (used[d] + size > capacity) return ERR_OUT_OF_MEMORY;
     for (int i = 0; i < MAX_PHYS; i++) {
         if (!phys[i].live) {
-            phys[i] = (struct phys){next_phys++, size, d, 1};
+            phys[i] = (struct phys){next_phys++, size, d, 1, 1};
             used[d] += size;
             *handle = phys[i].handle;
             return SUCCESS;
@@ -454,6 +488,7 @@ CUresult cuMemRelease(unsigned long long handle) {
     if (f) return f;
     for (int i = 0; i < MAX_PHYS; i++) {
         if (phys[i].live && phys[i].handle == handle) {
+            if (--phys[i].refs > 0) return SUCCESS;     /* cuMemRetainAllocationHandle's */
             phys[i].live = 0;
             used[phys[i].device] -= phys[i].size;
             return SUCCESS;
@@ -464,17 +499,25 @@ CUresult cuMemRelease(unsigned long long handle) {
 
 CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long handle,
                   unsigned long long flags) {
-    (void)p; (void)offset; (void)handle; (void)flags;
+    (void)offset; (void)flags;
     int f = unsafe_call("cuMemMap");
     if (f) return f;
+    for (int i = 0; i < MAX_PHYS; i++) {
+        if (!mappings[i].live) {
+            mappings[i] = (struct mapping){p, size, handle, 1};
+            break;
+        }
+    }
     mapped_live += (long)size;
     return SUCCESS;
 }
 
 CUresult cuMemUnmap(CUdeviceptr p, size_t size) {
-    (void)p;
     int f = unsafe_call("cuMemUnmap");
     if (f) return f;
+    for (int i = 0; i < MAX_PHYS; i++)
+        if (mappings[i].live && p <= mappings[i].ptr && mappings[i].ptr < p + size)
+            mappings[i].live = 0;
     mapped_live -= (long)size;
     return SUCCESS;
 }
@@ -749,6 +792,76 @@ size_t fake_used(int dev) { return (dev >= 0 && dev < MAX_DEVICES) ? used[dev] :
 /* Make the primary context of `dev` current on this thread (-1: none), as cudaSetDevice would. */
 void fake_set_current(int dev) { current = (dev >= 0 && dev < MAX_DEVICES) ? &contexts[dev] : NULL; }
 
+/* ------------------------------------------------------------------ what CudaTestDevice uses */
+
+CUresult cuStreamCreate(uintptr_t *stream, unsigned flags) {
+    (void)flags;
+    if (!current) return ERR_INVALID_CONTEXT;
+    if (n_streams == MAX_STREAMS) return ERR_OUT_OF_MEMORY;
+    uintptr_t h = n_free_handles ? free_handles[--n_free_handles] : next_stream_handle++;
+    struct stream *s = &streams[n_streams++];
+    memset(s, 0, sizeof *s);
+    s->handle = h;
+    s->device = current->device;
+    *stream = h;
+    return SUCCESS;
+}
+
+CUresult cuStreamDestroy(uintptr_t stream) {
+    for (int i = 0; i < n_streams; i++) {
+        if (streams[i].handle == stream && stream >= STREAM_HANDLE_BASE) {
+            streams[i] = streams[--n_streams];
+            if (n_free_handles < MAX_STREAMS) free_handles[n_free_handles++] = stream;
+            return SUCCESS;
+        }
+    }
+    return ERR_INVALID_HANDLE;
+}
+
+CUresult cuMemHostAlloc(void **p, size_t size, unsigned flags) {
+    (void)flags;
+    *p = calloc(1, size ? size : 1);
+    return *p ? SUCCESS : ERR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemHostGetDevicePointer(CUdeviceptr *d, void *p, unsigned flags) {
+    (void)flags;
+    *d = (CUdeviceptr)(uintptr_t)p;        /* one address space: the host word itself */
+    return SUCCESS;
+}
+
+CUresult cuMemFreeHost(void *p) { free(p); return SUCCESS; }
+
+CUresult cuStreamWaitValue32(uintptr_t stream, CUdeviceptr addr, unsigned value, unsigned flags) {
+    (void)flags;                          /* CU_STREAM_WAIT_VALUE_GEQ is the only one modelled */
+    struct stream *s = get_stream(stream);
+    if (s->n_waits == MAX_WAITS) return ERR_OUT_OF_MEMORY;
+    s->launched++;
+    s->waits[s->n_waits++] = (struct wait){s->launched, (const volatile unsigned *)(uintptr_t)addr, value};
+    return SUCCESS;
+}
+
+CUresult cuStreamWaitEvent(uintptr_t stream, struct event *e, unsigned flags) {
+    (void)stream; (void)flags;
+    return (e && e->magic == EVENT_MAGIC) ? SUCCESS : ERR_INVALID_HANDLE;
+}
+
+CUresult cuMemRetainAllocationHandle(unsigned long long *handle, void *addr) {
+    CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
+    for (int i = 0; i < MAX_PHYS; i++) {
+        if (mappings[i].live && mappings[i].ptr <= a && a < mappings[i].ptr + mappings[i].size) {
+            for (int j = 0; j < MAX_PHYS; j++) {
+                if (phys[j].live && phys[j].handle == mappings[i].handle) {
+                    phys[j].refs++;
+                    *handle = phys[j].handle;
+                    return SUCCESS;
+                }
+            }
+        }
+    }
+    return ERR_INVALID_VALUE;
+}
+
 /* ------------------------------------------------------------------ symbol lookup */
 
 static const struct { const char *name; void *fn; } table[] = {
@@ -765,6 +878,8 @@ static const struct { const char *name; void *fn; } table[] = {
     F(cuStreamEndCapture), F(cuStreamIsCapturing), F(cuStreamGetCaptureInfo),
     F(cuGraphNodeGetDependencies), F(cuGraphInstantiateWithFlags), F(cuGraphLaunch),
     F(cuGraphExecDestroy), F(cuGraphDestroy),
+    F(cuStreamCreate), F(cuStreamDestroy), F(cuMemHostAlloc), F(cuMemHostGetDevicePointer),
+    F(cuMemFreeHost), F(cuStreamWaitValue32), F(cuStreamWaitEvent), F(cuMemRetainAllocationHandle),
 #undef F
 };
 

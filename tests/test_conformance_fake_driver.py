@@ -1,0 +1,79 @@
+"""The conformance suite's CUDA backend without a GPU: tests/test_core.py's [cuda] cases and the
+property state machine's CUDA variant (tests/test_properties.py, CudaAllocatorMachine) run over
+CudaDevice against the fake driver (tests/fake_libcuda.c, compiled here into a libcuda.so.1 that
+cuda-bindings loads in place of the real one).
+
+The fake keeps no memory behind its addresses and does not order streams by events, so this is
+no substitute for the GPU run (tools/gpu-round.sh): it keeps the CUDA backend's code paths, the
+suite's GPU adapter (tests/backends.py) and their agreement with SimDevice's results under test
+everywhere. Each part runs once, in a child pytest with the fake first on LD_LIBRARY_PATH; the
+tests below read its JUnit report.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SIM_ONLY = "SimDevice only"
+
+
+@pytest.fixture(scope="module")
+def fake_env(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    libdir = tmp_path_factory.mktemp("fakecuda")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(libdir / "libcuda.so.1"),
+                    str(HERE / "fake_libcuda.c")], check=True, capture_output=True)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+               FAKE_CUDA_DEVICES="1", FAKE_CUDA_MEMORY=str(64 << 30),
+               PYALLOC_CUDA_PROPERTY_EXAMPLES="150",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.pop("PYALLOC_CONF", None)
+    return env, tmp_path_factory.mktemp("reports")
+
+
+def run_child(fake_env, name, *args):
+    """Run pytest on `args` in a child with the fake driver; {test id: (outcome, message)}."""
+    env, reports = fake_env
+    report = reports / f"{name}.xml"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"--junitxml={report}", *args],
+                         capture_output=True, text=True, env=env, cwd=str(HERE), timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    results = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        skipped = case.find("skipped")
+        outcome = "skipped" if skipped is not None else "passed"
+        results[case.get("name")] = (outcome, "" if skipped is None else skipped.get("message", ""))
+    return results
+
+
+@pytest.fixture(scope="module")
+def core_cases(fake_env):
+    """The [cuda] cases of the whole file (-k cannot pick them: it also matches the sim_only
+    attribute's name)."""
+    results = run_child(fake_env, "core", "test_core.py")
+    return {name: r for name, r in results.items() if "[cuda" in name}
+
+
+def test_every_policy_specification_runs_on_the_cuda_backend(core_cases):
+    ran = [name for name, (outcome, _) in core_cases.items() if outcome == "passed"]
+    assert len(core_cases) > 150 and len(ran) > 100
+
+
+def test_only_the_simulator_only_cases_are_skipped(core_cases):
+    other = {name: message for name, (outcome, message) in core_cases.items()
+             if outcome == "skipped" and SIM_ONLY not in message}
+    assert other == {}
+
+
+def test_the_property_machine_runs_on_the_cuda_backend(fake_env):
+    results = run_child(fake_env, "properties", "test_properties.py", "-k", "Cuda")
+    assert results == {"runTest": ("passed", "")}
