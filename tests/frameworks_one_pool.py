@@ -19,6 +19,7 @@ import pyalloc
 import pyalloc.cuda_core
 import pyalloc.cupy
 import pyalloc.numba
+from gpu_helpers import let_numba_cuda_compile_with_this_numpy
 
 results = {}
 N = 1 << 18                      # elements per array (1 MiB of float32)
@@ -85,6 +86,7 @@ def double_in_place(x):
         x[i] = 2 * x[i]
 
 
+let_numba_cuda_compile_with_this_numpy()
 try:
     double_in_place = cuda.jit("void(float32[:])")(double_in_place)    # compiled now
     numba_kernels = ("Numba kernels", True)

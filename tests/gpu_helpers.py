@@ -17,3 +17,15 @@ class HostFlag:
 
     def close(self):
         self._rt.freeHost(self.host)
+
+
+def let_numba_cuda_compile_with_this_numpy():
+    """numba-cuda 0.30 registers an overload of numpy.row_stack when NumPy >= 2.0 (in
+    numba/cuda/np/arrayobj.py, imported when the first kernel compiles); NumPy 2.5 removed
+    row_stack, so every compile raised AttributeError on the GPU machine. row_stack was an alias
+    of vstack: put it back as one before compiling. Returns whether the alias was added."""
+    import numpy
+    if hasattr(numpy, "row_stack"):
+        return False
+    numpy.row_stack = numpy.vstack
+    return True

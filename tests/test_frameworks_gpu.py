@@ -23,6 +23,8 @@ import pytest
 import pyalloc
 from pyalloc import cuda_backend
 
+from gpu_helpers import let_numba_cuda_compile_with_this_numpy
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not cuda_backend.is_available(),
@@ -94,6 +96,7 @@ def kernels(cuda):
     def probe(x):
         x[0] = 1
 
+    let_numba_cuda_compile_with_this_numpy()
     try:
         cuda.jit("void(int32[:])")(probe)                 # compiles now: is NVVM there?
     except Exception as exc:         # noqa: BLE001 - the reason is the skip message
