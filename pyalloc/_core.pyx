@@ -372,8 +372,10 @@ cdef class DeviceCachingAllocator:
         blocks of that stream: a stream destroyed with work queued still runs it, and the driver
         hands its handle to the next new stream at once, which would then be given the blocks
         cached for the old one while that work may still use them. Released by empty_cache once
-        no block of the stream is left. (Stream 0 never dies; keeping an object of the other
-        never-dying handles, CUDA's 1 and 2, costs nothing.)"""
+        no block of the stream is left, or once the program has dropped it and its work is done
+        (reap_dropped_streams, run here when the stream is new: callers keep a stream before
+        allocating for it, so that a failure there allocates nothing). (Stream 0 never dies;
+        keeping an object of the other never-dying handles, CUDA's 1 and 2, costs nothing.)"""
         if stream == 0:
             return 0
         cdef bint kept
@@ -479,11 +481,15 @@ cdef class DeviceCachingAllocator:
         TypeError/ValueError for a bad size or stream (state unchanged).
         """
         cdef uintptr_t s = stream_handle(stream)
-        cdef Block* b = allocate_block(self, request_size(nbytes), s)
-        if b == NULL:
-            return 0
+        cdef size_t size = request_size(nbytes)
+        # Kept before the allocation: keeping a new stream may let go of dropped ones, which makes
+        # driver calls; should one fail, nothing is allocated yet. (After an out-of-memory error
+        # the object stays kept until empty_cache, or until the program drops it.)
         if type(stream) is not int and s != 0 and stream is not None:
             self.keep_allocation_stream(s, stream)
+        cdef Block* b = allocate_block(self, size, s)
+        if b == NULL:
+            return 0
         return address_object(b)
 
     def hold_stream(self, stream, stream_object):
@@ -2118,8 +2124,9 @@ cdef int destroy_events(DeviceCachingAllocator a, bint outstanding) except -1:
     cdef EventQueues.iterator it
     if outstanding:
         for entry in a.retiring_streams:
-            a.foreign_event_devices.erase(entry.second)
-            a.backend.event_destroy(entry.second)
+            if entry.second != 0:
+                a.foreign_event_devices.erase(entry.second)
+                a.backend.event_destroy(entry.second)
         a.retiring_streams.clear()
         it = a.stream_events.begin()
         while it != a.stream_events.end():
@@ -2207,7 +2214,8 @@ cdef inline void forget_retiring_stream(DeviceCachingAllocator a, uintptr_t h) n
     """Its object is let go another way (lock held): the event goes back to the pool."""
     cdef unordered_map[uintptr_t, uintptr_t].iterator it = a.retiring_streams.find(h)
     if it != a.retiring_streams.end():
-        return_event(a, deref(it).second)
+        if deref(it).second != 0:
+            return_event(a, deref(it).second)
         a.retiring_streams.erase(it)
 
 
@@ -2257,8 +2265,14 @@ cdef int reap_dropped_streams(DeviceCachingAllocator a) except -1:
             for h in dropped_handles:
                 it = a.retiring_streams.find(h)
                 if it == a.retiring_streams.end():
-                    a.retiring_streams[h] = take_recorded_event(a, h)
-                elif a.backend.event_query(deref(it).second):
+                    try:
+                        a.retiring_streams[h] = take_recorded_event(a, h)
+                    except BaseException:
+                        # Not tried again (event 0): the object stays until empty_cache finds
+                        # no block of its stream, so one bad stream cannot fail every malloc.
+                        a.retiring_streams[h] = 0
+                        raise
+                elif deref(it).second != 0 and a.backend.event_query(deref(it).second):
                     return_event(a, deref(it).second)
                     a.retiring_streams.erase(it)
                     a.allocation_streams_kept.erase(h)
@@ -2598,13 +2612,15 @@ cdef class Buffer:
             raise RuntimeError(
                 f"Buffer.__init__ runs once: this Buffer already owns {self.size} bytes at "
                 f"{self.ptr:#x}; make a new Buffer instead")
+        cdef size_t size = request_size(nbytes)
+        cdef uintptr_t handle = stream_handle(stream)
+        if type(stream) is not int and handle != 0 and stream is not None:
+            allocator.keep_allocation_stream(handle, stream)     # before: as malloc does
+        cdef Block* b = allocate_block(allocator, size, handle)
         self.allocator = allocator
-        self.size = request_size(nbytes)
-        self.stream = stream_handle(stream)
-        cdef Block* b = allocate_block(allocator, self.size, self.stream)
+        self.size = size
+        self.stream = handle
         self.ptr = b.ptr if b != NULL else 0
-        if b != NULL and type(stream) is not int and self.stream != 0 and stream is not None:
-            allocator.keep_allocation_stream(self.stream, stream)
 
     @property
     def device(self):

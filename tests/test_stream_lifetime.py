@@ -307,6 +307,27 @@ def test_an_allocator_destroys_the_event_of_a_dropped_stream_when_it_dies():
     assert sim.counters["event_destroy"] == 1
 
 
+def test_a_failure_while_letting_go_of_dropped_streams_allocates_nothing():
+    # Letting go records an event on the dropped stream; should the driver refuse (here: the
+    # stream was destroyed behind the allocator's back), the malloc that set it off fails whole.
+    sim, alloc = make()
+
+    class Handle:                                 # a stream object that does not own its stream
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    s, t, u = (Handle(sim.create_stream()) for _ in range(3))
+    alloc.free(alloc.malloc(4 * KiB, s))
+    sim.destroy_stream(s.ptr)
+    del s
+    allocated = alloc.memory_allocated()
+    with pytest.raises(CudaError, match="CUDA_ERROR_INVALID_HANDLE"):
+        alloc.malloc(4 * KiB, t)                  # t is new: the dropped s gets its event
+    assert alloc.memory_allocated() == allocated
+    alloc.free(alloc.malloc(4 * KiB, u))          # u is new too: s is not tried again
+    alloc.empty_cache()                           # s goes with its block
+
+
 def test_a_buffer_keeps_its_stream_object_alive_like_malloc():
     sim, alloc = make()
     s = SimStream(sim)
