@@ -64,7 +64,7 @@ and a description naming the stream or event and the runtime's error name:
   `count` units (after the external events its wait nodes name), so an event recorded after it
   completes only when that work has; into a capturing stream it adds one child-graph node.
 """
-from libc.stdint cimport uintptr_t, uint64_t
+from libc.stdint cimport uintptr_t, uint64_t, UINT64_MAX
 from libcpp.map cimport map as cppmap
 from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
@@ -98,6 +98,9 @@ cdef size_t GRANULE = 2 * MiB      # mapping granularity of the simulated virtua
 # Work still queued on a destroyed stream runs on under an internal handle from here up (no
 # handle a caller uses), so that its events complete as that work does, whoever gets the handle.
 cdef uintptr_t ORPHAN_STREAMS = <uintptr_t>1 << 63
+# The internal handle of every destroyed stream whose work was all done (its StreamState says
+# so for any target); orphans with work still queued get handles after it.
+cdef uintptr_t DONE_STREAM = ORPHAN_STREAMS
 # Streams of device d (d > 0) are numbered from d * DEVICE_STREAMS up; handles below
 # DEVICE_STREAMS (0, the per-thread handles, small ints tests use) are every device's own.
 cdef uintptr_t DEVICE_STREAMS = <uintptr_t>1 << 40
@@ -273,7 +276,8 @@ cdef class SimDevice(Backend):
         self.reservation_base = 0x200000000000
         self._pending_placements = 0
         self._next_stream = 1 + <uintptr_t>device * DEVICE_STREAMS if 0 < device < 4096 else 1
-        self._next_orphan = ORPHAN_STREAMS
+        self._next_orphan = DONE_STREAM + 1
+        self._streams[DONE_STREAM] = StreamState(UINT64_MAX, UINT64_MAX)
         self._next_event = 1
         self.counters = dict.fromkeys(
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
@@ -663,14 +667,19 @@ cdef class SimDevice(Backend):
             raise CudaError("cuStreamDestroy", 400, "CUDA_ERROR_INVALID_HANDLE",
                             f"SimDevice: stream {stream} cannot be destroyed (the legacy stream, or "
                             "a stream in a capture)")
-        cdef uintptr_t orphan = self._next_orphan
-        self._next_orphan += 1
         cdef StreamState state = self._streams[stream]
         self._streams.erase(stream)
-        self._streams[orphan] = state
-        if self._barriers.count(stream):
-            self._barriers[orphan] = self._barriers[stream]
-            self._barriers.erase(stream)
+        cdef uintptr_t orphan = DONE_STREAM
+        if state.completed < state.launched or self._queue(stream) != NULL:
+            # Work (or waits) still queued: it lives on under an internal handle.
+            orphan = self._next_orphan
+            self._next_orphan += 1
+            self._streams[orphan] = state
+            if self._queue(stream) != NULL:
+                self._barriers[orphan] = self._barriers[stream]
+        # Else everything queued on it is done: its events and the waits on it follow
+        # DONE_STREAM, whose work is all complete for good (no state kept per stream).
+        self._barriers.erase(stream)
         # Events recorded on it and waits on it elsewhere now follow the orphaned work.
         cdef pair[uintptr_t, EventState] ev
         for ev in self._events:
@@ -728,19 +737,29 @@ cdef class SimDevice(Backend):
         if target > s.launched:
             target = s.launched
         while s.completed < target:
-            barriers = &self._barriers[stream]
-            if not barriers.empty() and barriers.front().position <= s.completed:
+            barriers = self._queue(stream)
+            if barriers != NULL and barriers.front().position <= s.completed:
                 b = barriers.front()
                 self._finish(b.stream, b.target, b.event_seq)
-                barriers = &self._barriers[stream]
-                barriers.pop_front()
+                barriers = self._queue(stream)
+                if barriers != NULL:
+                    barriers.pop_front()
+                    if barriers.empty():
+                        self._barriers.erase(stream)    # no empty queues: destroy_stream walks them
                 s = self._stream(stream)
                 continue
-            if not barriers.empty() and barriers.front().position < target:
+            if barriers != NULL and barriers.front().position < target:
                 s.completed = barriers.front().position
             else:
                 s.completed = target
         return s.completed - start
+
+    cdef inline deque[Barrier]* _queue(self, uintptr_t stream) noexcept:
+        """The waits queued on `stream` not yet passed, or NULL when there are none."""
+        cdef unordered_map[uintptr_t, deque[Barrier]].iterator it = self._barriers.find(stream)
+        if it == self._barriers.end() or deref(it).second.empty():
+            return NULL
+        return &deref(it).second
 
     # A wait queued right after a stream's last work item has the same position as an event
     # recorded there; `seq` tells whether the wait came before the record (and so holds the event
@@ -752,14 +771,14 @@ cdef class SimDevice(Backend):
         there before `before_seq`, have completed."""
         if self._stream(stream).completed < target:
             return False
-        cdef deque[Barrier]* barriers = &self._barriers[stream]
+        cdef deque[Barrier]* barriers = self._queue(stream)
         cdef Barrier b
         cdef size_t i = 0
-        while i < barriers.size() and deref(barriers)[i].position <= target:
+        while barriers != NULL and i < barriers.size() and deref(barriers)[i].position <= target:
             b = deref(barriers)[i]
             if b.seq < before_seq and not self._reached(b.stream, b.target, b.event_seq):
                 return False
-            barriers = &self._barriers[stream]
+            barriers = self._queue(stream)
             i += 1
         return True
 
@@ -767,14 +786,14 @@ cdef class SimDevice(Backend):
         """Complete `stream` up to `target` items and the awaited work of the waits queued
         there before `before_seq`."""
         self._advance(stream, target)
-        cdef deque[Barrier]* barriers = &self._barriers[stream]
+        cdef deque[Barrier]* barriers = self._queue(stream)
         cdef Barrier b
         cdef size_t i = 0
-        while i < barriers.size() and deref(barriers)[i].position <= target:
+        while barriers != NULL and i < barriers.size() and deref(barriers)[i].position <= target:
             b = deref(barriers)[i]
             if b.seq < before_seq:
                 self._finish(b.stream, b.target, b.event_seq)
-            barriers = &self._barriers[stream]
+            barriers = self._queue(stream)
             i += 1
         return 0
 

@@ -88,6 +88,19 @@ def test_sim_work_queued_before_destroy_still_completes_and_only_then_its_events
     assert sim.event_done(event)
 
 
+def test_sim_an_event_of_a_stream_destroyed_with_its_work_done_stays_done_after_handle_reuse():
+    sim = SimDevice()
+    s = sim.create_stream()
+    sim.launch(s)
+    e = sim.record_event(s)
+    sim.complete(s)
+    sim.destroy_stream(s)
+    again = sim.create_stream()
+    assert again == s
+    sim.launch(again, 5)                        # the new stream's work says nothing of e
+    assert sim.event_done(e)
+
+
 def test_sim_a_wait_on_an_event_of_a_destroyed_stream_follows_its_work():
     sim = SimDevice()
     s, other = sim.create_stream(), sim.create_stream()
