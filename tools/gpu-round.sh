@@ -10,7 +10,8 @@
 #                                   comparison, Numba and cuda.core hooks against their own allocators,
 #                                   old build against new (.oldsrc/), bench_gpu, then the CPU suite on
 #                                   that machine's Python
-#   bash tools/gpu-round.sh soak    the GPU soak (tools/soak_gpu.py) for SOAK_SECONDS (default 300)
+#   bash tools/gpu-round.sh soak    the GPU soak (tools/soak_gpu.py) for SOAK_SECONDS (default 300),
+#                                   then 40 s of its load on CuPy's own pool (the control)
 # A part finds the build of an earlier part of the same machine in /tmp/inst and reuses it.
 #
 # Carry `.whl` (../shared/tools/gpu-wheels.sh) and, optionally:
@@ -86,7 +87,7 @@ print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in d.items() if 
     ;;
 soak)
     echo "== GPU soak, ${SOAK_SECONDS:-300} s"
-    timeout $(( ${SOAK_SECONDS:-300} + 150 )) python3 tools/soak_gpu.py --seconds "${SOAK_SECONDS:-300}" \
+    timeout $(( ${SOAK_SECONDS:-300} + 200 )) python3 tools/soak_gpu.py --seconds "${SOAK_SECONDS:-300}" --control-seconds 40 \
         --json "$OUT/soak.json" 2>&1 | tail -12
     ;;
 *)
