@@ -4,7 +4,8 @@
 #   bash tools/gpu-round.sh tests   the GPU tests (CUDA, CuPy, graphs, expandable, stream lifetime,
 #                                   PyTorch, Numba, cuda.core, four frameworks in one process), again
 #                                   under PYALLOC_CONF=expandable_segments:True, the conformance suite
-#                                   (tests/test_core.py on both backends, counts per backend) and
+#                                   (tests/test_core.py on both backends, counts per backend, and
+#                                   the property machine on CudaDevice) and
 #                                   CuPy's own test files in .cupy_tests/ with and without pyalloc
 #   bash tools/gpu-round.sh bench   PyTorch's torch.empty through pyalloc against native, the training
 #                                   comparison, Numba and cuda.core hooks against their own allocators,
@@ -57,6 +58,9 @@ for case in E.parse(sys.argv[1]).getroot().iter("testcase"):
     counts[backend, outcome] += 1
 print("conformance counts:", {f"{b} {o}": n for (b, o), n in sorted(counts.items())})
 PY
+    echo "== property state machine on the GPU (tests/test_properties.py CudaAllocatorMachine)"
+    PYALLOC_CUDA_PROPERTY_EXAMPLES=${CUDA_PROPERTY_EXAMPLES:-40} timeout 200 python3 -m pytest -q \
+        -p no:cacheprovider -rfE --tb=short tests/test_properties.py -k Cuda 2>&1 | tail -6
     if ls "$ROOT"/.cupy_tests/*.py >/dev/null 2>&1; then
         echo "== CuPy's own tests"
         (cd "$ROOT" && timeout 200 bash tools/run-cupy-tests.sh --baseline .cupy_tests/*.py -- --tb=line \
