@@ -341,6 +341,55 @@ def test_a_failure_while_letting_go_of_dropped_streams_allocates_nothing():
     alloc.empty_cache()                           # s goes with its block
 
 
+def test_threads_that_make_use_and_drop_streams_leave_nothing_behind():
+    # Four threads each make a stream, allocate and free on it, drop it, over and over, while the
+    # simulated driver's calls release the GIL (latency_us): the letting-go of dropped streams
+    # (pins lock, allocator lock, destructors run outside both) must neither deadlock nor lose one.
+    import threading
+    sim, alloc = make()
+    sim.latency_us = 20
+    alive = [0]
+    count_lock = threading.Lock()
+
+    class Counted(SimStream):
+        def __init__(self, sim):
+            super().__init__(sim)
+            with count_lock:
+                alive[0] += 1
+
+        def __del__(self):
+            super().__del__()
+            with count_lock:
+                alive[0] -= 1
+
+    errors = []
+
+    def work():
+        try:
+            for _ in range(150):
+                s = Counted(sim)
+                p = alloc.malloc(64 * KiB, s)
+                sim.launch(s.ptr)
+                alloc.free(p)
+                sim.complete(s.ptr)
+                del s
+        except BaseException as exc:     # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    assert errors == []
+    alloc.process_events()                       # events on the streams dropped last
+    alloc.process_events()                       # their work is done: let go
+    assert alive[0] == 0
+    alloc.empty_cache()
+    assert alloc.memory_reserved() == 0
+
+
 def test_a_buffer_keeps_its_stream_object_alive_like_malloc():
     sim, alloc = make()
     s = SimStream(sim)
