@@ -38,14 +38,6 @@ class SimResource(pcc.PyallocMemoryResource):
 
 
 @pytest.fixture
-def sim_defaults():
-    pyalloc.set_default_backend(lambda d: pyalloc.SimDevice(64 * MiB, device=d))
-    yield defaults.get_allocator(0)
-    gc.collect()
-    pyalloc.set_default_backend(None)
-
-
-@pytest.fixture
 def mr(sim_defaults):
     return SimResource(0)
 

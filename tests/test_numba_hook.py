@@ -42,14 +42,6 @@ class SimManager(pn.PyallocMemoryManager):
 
 
 @pytest.fixture
-def sim_defaults():
-    pyalloc.set_default_backend(lambda d: pyalloc.SimDevice(64 * MiB, device=d))
-    yield defaults.get_allocator(0)
-    gc.collect()
-    pyalloc.set_default_backend(None)
-
-
-@pytest.fixture
 def manager(sim_defaults):
     context = FakeContext()
     m = SimManager(context=context)
