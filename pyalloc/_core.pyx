@@ -496,7 +496,8 @@ cdef class DeviceCachingAllocator:
         """Keep `stream_object` (the stream whose handle is `stream`, an int) alive while this
         allocator holds blocks of that stream, as malloc does for a stream object: for hooks
         that allocate with handles they worked out themselves. Released by empty_cache once no
-        block of the stream is left. Stream 0 is never held."""
+        block of the stream is left, or once only the allocator holds the object and the work
+        queued on the stream is done. Stream 0 is never held."""
         self.keep_allocation_stream(stream_handle(stream), stream_object)
 
     def free(self, ptr):
