@@ -74,7 +74,7 @@ struct node { struct graph *graph; size_t n_deps; struct node *deps[MAX_DEPS]; }
 struct graph { unsigned long long capture_id; size_t n_nodes; long launches;
                struct node nodes[MAX_NODES]; };
 struct exec { struct graph *graph; };
-#define MAX_WAITS 256
+#define MAX_WAITS 1024
 struct wait { unsigned long long unit; const volatile unsigned *word; unsigned value; };
 struct stream {
     uintptr_t handle; unsigned long long launched, completed;
@@ -393,6 +393,7 @@ CUresult cuEventSynchronize(struct event *e) {
     if (e->recorded) {
         struct stream *s = get_stream(e->stream);
         if (s->completed < e->target) s->completed = e->target;
+        advance_waits(s);
     }
     return SUCCESS;
 }
@@ -420,12 +421,16 @@ CUresult cuStreamSynchronize(uintptr_t stream) {
         return ERR_CAPTURE_UNSUPPORTED;
     }
     s->completed = s->launched;
+    advance_waits(s);
     return SUCCESS;
 }
 
 CUresult cuCtxSynchronize(void) {
     if (!current) return ERR_INVALID_CONTEXT;
-    for (int i = 0; i < n_streams; i++) streams[i].completed = streams[i].launched;
+    for (int i = 0; i < n_streams; i++) {
+        streams[i].completed = streams[i].launched;
+        advance_waits(&streams[i]);
+    }
     return SUCCESS;
 }
 
@@ -759,7 +764,11 @@ void fake_fail_after(const char *name, int skip, int code) {
 }
 void fake_set_stream_device(uintptr_t stream, int dev) { get_stream(stream)->device = dev; }
 int fake_event_device(uintptr_t event) { return ((struct event *)event)->device; }
-void fake_complete(uintptr_t stream) { struct stream *s = get_stream(stream); s->completed = s->launched; }
+void fake_complete(uintptr_t stream) {
+    struct stream *s = get_stream(stream);
+    s->completed = s->launched;
+    advance_waits(s);
+}
 void fake_fail_next(const char *name, int code) {
     strncpy(fail_name, name, sizeof fail_name - 1);
     fail_code = code;
