@@ -287,6 +287,21 @@ def test_the_handle_of_a_let_go_stream_brings_its_cached_block_to_the_next_strea
     assert alloc.malloc(4 * KiB, new) == p       # the old work is over: reuse is safe
 
 
+def test_a_dropped_stream_with_queued_work_is_not_let_go_while_new_streams_come():
+    # New streams set off the letting-go; while the dropped stream's work is queued it must stay,
+    # or the driver would hand its handle, with the block cached for it, to the next stream.
+    sim, alloc = make()
+    gone, handle, p = dropped_stream_with_queued_work(sim, alloc)
+    newer = []
+    for _ in range(3):
+        newer.append(SimStream(sim))
+        q = alloc.malloc(4 * KiB, newer[-1])
+        assert q != p, "the block cached for the dead stream's queued work was handed out"
+        alloc.free(q)
+        alloc.process_events()
+    assert gone() is not None and all(s.ptr != handle for s in newer)
+
+
 def test_a_stream_the_program_still_holds_is_not_let_go():
     sim, alloc = make()
     s = SimStream(sim)
