@@ -22,6 +22,12 @@ allocators (the ones CuPy, Numba and PyTorch use through pyalloc's other hooks).
   the free has completed, which is what a free "on stream" promises.
 - is_device_accessible True, is_host_accessible False, is_managed False, device_id the ordinal.
 - Out of memory: pyalloc.OutOfMemoryError (a MemoryError), with its figures.
+- Streams: the allocator keeps an allocation stream's object alive while blocks of its stream
+  may be cached (and lets go of it once the program has dropped it and its work is done), so
+  that the driver cannot give its handle, with those blocks, to a new stream while old work may
+  use them. Keeping the object cannot stop `Stream.close()`: a stream closed while its work may
+  still use blocks cached for it can pass that memory to the next new stream of its handle.
+  Synchronize a stream (or call pyalloc.empty_cache()) before closing it explicitly.
 
 cuda.core's import path changed over its versions: `cuda.core` (its MemoryResource there) is
 used, else `cuda.core.experimental`. Importing this module does not import cuda.core; the class
