@@ -1,5 +1,6 @@
-"""Fixtures shared by the framework-hook specifications (tests/test_numba_hook.py,
-tests/test_cuda_core_hook.py)."""
+"""Fixtures shared by several test files: the default allocators on simulated devices (the
+framework-hook specifications, tests/test_numba_hook.py and test_cuda_core_hook.py) and the fake
+CUDA driver (tests/test_cuda_fake_driver.py and test_conformance_fake_driver.py)."""
 import gc
 
 import pytest
@@ -16,3 +17,15 @@ def sim_defaults():
     yield defaults.get_allocator(0)
     gc.collect()
     pyalloc.set_default_backend(None)
+
+
+
+@pytest.fixture(scope="session")
+def fake_libcuda(tmp_path_factory):
+    """tests/fake_libcuda.c compiled into a libcuda.so.1 (its path), once per run; skips without
+    a C compiler (tests/fake_driver.py)."""
+    from fake_driver import build
+    lib = build(tmp_path_factory.mktemp("fakecuda"))
+    if lib is None:
+        pytest.skip("no C compiler to build the fake libcuda")
+    return lib

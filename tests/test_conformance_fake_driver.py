@@ -9,8 +9,6 @@ suite's GPU adapter (tests/backends.py) and their agreement with SimDevice's res
 everywhere. Each part runs once, in a child pytest with the fake first on LD_LIBRARY_PATH; the
 tests below read its JUnit report.
 """
-import os
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -18,23 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from fake_driver import child_env
+
 HERE = Path(__file__).resolve().parent
 SIM_ONLY = "SimDevice only"
 
 
 @pytest.fixture(scope="module")
-def fake_env(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the fake libcuda")
-    libdir = tmp_path_factory.mktemp("fakecuda")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(libdir / "libcuda.so.1"),
-                    str(HERE / "fake_libcuda.c")], check=True, capture_output=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-               FAKE_CUDA_DEVICES="1", FAKE_CUDA_MEMORY=str(64 << 30),
-               PYALLOC_CUDA_PROPERTY_EXAMPLES="150",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+def fake_env(fake_libcuda, tmp_path_factory):
+    env = child_env(fake_libcuda, 1, 64 << 30, PYALLOC_CUDA_PROPERTY_EXAMPLES="150")
     env.pop("PYALLOC_CONF", None)
     return env, tmp_path_factory.mktemp("reports")
 

@@ -6,13 +6,13 @@ child interpreter with that library first on LD_LIBRARY_PATH and 2 devices of 64
 test below checks one behaviour from their results.
 """
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fake_driver import child_env
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -20,18 +20,9 @@ RANGE = 0x10000000000
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to build the fake libcuda")
-    libdir = tmp_path_factory.mktemp("fakecuda")
-    lib = libdir / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(HERE / "fake_libcuda.c")],
-                   check=True, capture_output=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{libdir}:{os.environ.get('LD_LIBRARY_PATH', '')}",
-               FAKE_CUDA_DEVICES="2", FAKE_CUDA_MEMORY=str(64 * MiB),
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+def results(fake_libcuda):
+    lib = fake_libcuda
+    env = child_env(lib, 2, 64 * MiB)
     out = subprocess.run([sys.executable, str(HERE / "fake_driver_checks.py"), str(lib)],
                          capture_output=True, text=True, env=env, timeout=300, cwd=str(HERE))
     assert out.returncode == 0, out.stderr
