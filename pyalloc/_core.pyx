@@ -2172,36 +2172,67 @@ cdef void forget_stream_uses(DeviceCachingAllocator a, vector[uintptr_t]* stream
     streams.clear()
 
 
-cdef int release_allocation_streams(DeviceCachingAllocator a) except -1:
-    """Drop the allocation stream objects (keep_allocation_stream) of which no block is left.
-    As prune_stream_pins: handles read before the lock, objects dropped after it."""
+ctypedef int (*mark_unused_fn)(DeviceCachingAllocator, vector[uintptr_t]*, vector[char]*) except -1
+
+
+cdef int drop_stream_objects(DeviceCachingAllocator a, dict objects, mark_unused_fn mark) except -1:
+    """Drop the stream objects of `objects` (handle -> object: the record_stream pins or the
+    allocation streams) that `mark` marks unused.
+
+    The handles are read into C before the allocator's lock, `mark` runs under it, and the
+    objects are dropped after it: no Python object is made or freed under the lock (dropping a
+    CuPy stream destroys it, and a collection run there could re-enter the allocator)."""
     cdef vector[uintptr_t] c_handles
     cdef vector[char] unused
-    cdef vector[Block*] blocks
-    cdef unordered_set[uintptr_t] in_use
-    cdef Block* b
     cdef size_t i
     dropped = []
     with a.pins_lock:
-        handles = list(a.allocation_stream_objects)
+        handles = list(objects)
         for h in handles:
             c_handles.push_back(<uintptr_t>h)
         unused.resize(c_handles.size(), 0)
         lock_allocator(a)
-        collect_blocks(a, &blocks)
-        for b in blocks:
-            in_use.insert(b.stream)
-        for i in range(c_handles.size()):
-            if not in_use.count(c_handles[i]):
-                unused[i] = 1
-                a.allocation_streams_kept.erase(c_handles[i])
-                forget_retiring_stream(a, c_handles[i])
-        a.mutex.unlock()
+        try:
+            mark(a, &c_handles, &unused)
+        finally:
+            a.mutex.unlock()
         for i in range(c_handles.size()):
             if unused[i]:
-                dropped.append(a.allocation_stream_objects.pop(handles[i], None))
+                dropped.append(objects.pop(handles[i], None))
     del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
     return 0
+
+
+cdef int mark_streams_without_blocks(DeviceCachingAllocator a, vector[uintptr_t]* handles,
+                                     vector[char]* unused) except -1:
+    """(Lock held.) The allocation streams of which no block is left; they are no longer kept."""
+    cdef vector[Block*] blocks
+    cdef unordered_set[uintptr_t] in_use
+    cdef Block* b
+    cdef size_t i
+    collect_blocks(a, &blocks)
+    for b in blocks:
+        in_use.insert(b.stream)
+    for i in range(handles.size()):
+        if not in_use.count(deref(handles)[i]):
+            deref(unused)[i] = 1
+            a.allocation_streams_kept.erase(deref(handles)[i])
+            forget_retiring_stream(a, deref(handles)[i])
+    return 0
+
+
+cdef int mark_streams_without_uses(DeviceCachingAllocator a, vector[uintptr_t]* handles,
+                                   vector[char]* unused) except -1:
+    """(Lock held.) The record_stream pins that no block stream use names any more."""
+    cdef size_t i
+    for i in range(handles.size()):
+        deref(unused)[i] = a.stream_use_counts.count(deref(handles)[i]) == 0
+    return 0
+
+
+cdef int release_allocation_streams(DeviceCachingAllocator a) except -1:
+    """Drop the allocation stream objects (keep_allocation_stream) of which no block is left."""
+    return drop_stream_objects(a, a.allocation_stream_objects, mark_streams_without_blocks)
 
 
 cdef extern from *:
@@ -2287,29 +2318,8 @@ cdef int reap_dropped_streams(DeviceCachingAllocator a) except -1:
 
 
 cdef int prune_stream_pins(DeviceCachingAllocator a) except -1:
-    """Drop the stream objects that no block stream use names any more.
-
-    The handles are read into C before the lock and the objects dropped after it: no Python
-    object is made or freed under the lock (dropping a CuPy stream destroys it, and a collection
-    run there could re-enter the allocator)."""
-    cdef vector[uintptr_t] c_handles
-    cdef vector[char] unused
-    cdef size_t i
-    dropped = []
-    with a.pins_lock:
-        handles = list(a.stream_pins)
-        for h in handles:
-            c_handles.push_back(<uintptr_t>h)
-        unused.resize(c_handles.size(), 0)
-        lock_allocator(a)
-        for i in range(c_handles.size()):
-            unused[i] = a.stream_use_counts.count(c_handles[i]) == 0
-        a.mutex.unlock()
-        for i in range(c_handles.size()):
-            if unused[i]:
-                dropped.append(a.stream_pins.pop(handles[i], None))
-    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
-    return 0
+    """Drop the stream objects that no block stream use names any more."""
+    return drop_stream_objects(a, a.stream_pins, mark_streams_without_uses)
 
 
 cdef int flush_deferred_blocks(DeviceCachingAllocator a) except -1:
