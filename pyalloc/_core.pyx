@@ -2257,13 +2257,14 @@ cdef int reap_dropped_streams(DeviceCachingAllocator a) except -1:
     keep_allocation_stream holds each stream object while blocks of its stream may be cached, so
     that the driver cannot hand its handle to a new stream while its queued work may still use
     them. Held until empty_cache, every stream a program makes and drops would stay alive, and
-    each keeps driver resources on the device (on the H200 about half a MiB of device memory per
-    stream: a soak that replaced streams ~23 times a second showed 1.6 GB in use outside pyalloc
-    after 150 s). So a stream whose object only the allocator holds (its dict, and the record_stream
-    pins) gets an event recorded on it; once that event has completed, nothing queued on the stream
-    is left, and its object is dropped, which destroys the stream. Its cached blocks stay keyed by
-    the handle: the next stream to get that handle may reuse them, which is safe now. Called when a
-    new allocation stream appears and from process_events(); nothing while a capture is underway
+    each keeps driver resources on the device (a soak on the H200 that replaced streams ~23
+    times a second showed 1.6 GB in use outside pyalloc after 150 s: about half a MiB a stream,
+    if that was all streams). So a stream whose object only the allocator holds (its dict, and
+    the record_stream pins) gets an event recorded on it; once that event has completed, nothing
+    queued on the stream is left, and its object is dropped, which destroys the stream. Its
+    cached blocks stay keyed by the handle: the next stream to get that handle may reuse them,
+    which is safe now. Called when a new allocation stream appears and from process_events();
+    nothing while a capture is underway
     (no event may be recorded then)."""
     cdef vector[uintptr_t] dropped_handles, still_held, finished
     cdef PyObject* key
