@@ -484,8 +484,9 @@ cdef class DeviceCachingAllocator:
         cdef size_t size = request_size(nbytes)
         # Kept before the allocation: keeping a new stream may let go of dropped ones, which makes
         # driver calls; should one fail, nothing is allocated yet. (After an out-of-memory error
-        # the object stays kept until empty_cache, or until the program drops it.)
-        if type(stream) is not int and s != 0 and stream is not None:
+        # the object stays kept until empty_cache, or until the program drops it.) A 0-byte
+        # request allocates nothing, so it keeps nothing: record_stream validates a stream so.
+        if size != 0 and type(stream) is not int and s != 0 and stream is not None:
             self.keep_allocation_stream(s, stream)
         cdef Block* b = allocate_block(self, size, s)
         if b == NULL:
@@ -2626,7 +2627,7 @@ cdef class Buffer:
                 f"{self.ptr:#x}; make a new Buffer instead")
         cdef size_t size = request_size(nbytes)
         cdef uintptr_t handle = stream_handle(stream)
-        if type(stream) is not int and handle != 0 and stream is not None:
+        if size != 0 and type(stream) is not int and handle != 0 and stream is not None:
             allocator.keep_allocation_stream(handle, stream)     # before: as malloc does
         cdef Block* b = allocate_block(allocator, size, handle)
         self.allocator = allocator

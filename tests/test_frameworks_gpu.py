@@ -236,22 +236,39 @@ def test_numba_ipc_handle_is_the_pyalloc_segments_with_the_blocks_offset(cuda):
 
 
 def test_numba_ipc_handle_opens_in_another_process_at_the_blocks_data(cuda, kernels, tmp_path):
+    """Numba's get_ipc_handle on pyalloc memory (the segment's handle and the block's offset),
+    opened in another process. The handle's 64 bytes travel as bytes and the child opens them
+    with cuda.bindings: numba-cuda 0.30's own pickling of a handle reads CUipcMemHandle.reserved,
+    which cuda-bindings 13.5 no longer has (that fails under Numba's own allocator too)."""
     if alloc0().settings.expandable_segments:
         pytest.skip("expandable segments: IPC is not implemented")
-    import pickle
+    import ctypes
     padding = cuda.device_array(1000, dtype=np.float32)      # so the block is not at offset 0
     shared = cuda.device_array(4096, dtype=np.float32)
     kernels["write_index"][16, 256](shared)
     cuda.synchronize()
-    (tmp_path / "handle.pickle").write_bytes(pickle.dumps(shared.get_ipc_handle()))
-    out = run_python("""
-        import pickle
-        from numba import cuda
-        handle = pickle.loads(open("handle.pickle", "rb").read())
-        with handle as arr:
-            host = arr.copy_to_host()
+    ipc = cuda.current_context().get_ipc_handle(shared.gpu_data)
+    assert ipc.offset > 0
+    (tmp_path / "handle.bin").write_bytes(ctypes.string_at(ipc.handle.getPtr(), 64))
+    out = run_python(f"""
+        import ctypes
+        import numpy as np
+        from cuda.bindings import driver as d
+        def ok(result):
+            assert result[0] == d.CUresult.CUDA_SUCCESS, result[0]
+            return result[1:]
+        ok(d.cuInit(0))
+        (dev,) = ok(d.cuDeviceGet(0))
+        (ctx,) = ok(d.cuDevicePrimaryCtxRetain(dev))
+        ok(d.cuCtxSetCurrent(ctx))
+        handle = d.CUipcMemHandle()
+        raw = open("handle.bin", "rb").read()
+        ctypes.memmove(handle.getPtr(), raw, len(raw))
+        (base,) = ok(d.cuIpcOpenMemHandle(handle, d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+        host = np.zeros(4096, dtype=np.float32)
+        ok(d.cuMemcpyDtoH(host.ctypes.data, int(base) + {ipc.offset}, host.nbytes))
         print(int(host.sum()), int(host[-1]))
-    """, tmp_path)
+    """, tmp_path, timeout=60)
     assert out.split()[-2:] == [str(4095 * 4096 // 2), "4095"]
     assert live(numba_ptr(padding))
 

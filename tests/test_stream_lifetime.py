@@ -427,6 +427,48 @@ def test_a_stream_given_only_to_record_stream_is_not_kept_as_an_allocation_strea
     assert gone() is None
 
 
+def test_a_zero_byte_malloc_on_a_stream_object_keeps_no_stream():
+    sim, alloc = make()
+    s = SimStream(sim)
+    assert alloc.malloc(0, s) == 0             # record_stream validates its stream this way
+    gone = weakref.ref(s)
+    del s
+    assert gone() is None
+
+
+def test_a_zero_byte_buffer_on_a_stream_object_keeps_no_stream():
+    sim, alloc = make()
+    s = SimStream(sim)
+    buf = Buffer(alloc, 0, s)
+    gone = weakref.ref(s)
+    del s
+    assert buf.ptr == 0 and gone() is None
+
+
+def test_module_record_stream_lets_its_stream_go_once_the_free_has_recorded_on_it():
+    """pyalloc.record_stream (the CuPy path): the stream object dies with the free's event
+    recorded, not later (on the H200 a dropped CuPy stream stayed alive as an allocation stream
+    after its work and the free were done)."""
+    import pyalloc
+    sim = SimDevice(1 << 30)
+    pyalloc.set_default_backend(lambda device: sim)
+    try:
+        p = pyalloc.malloc(4 * KiB)
+        s = SimStream(sim)
+        sim.launch(s.ptr)
+        pyalloc.record_stream(p, s)
+        gone = weakref.ref(s)
+        del s
+        pyalloc.free(p)
+        assert gone() is None
+        sim.synchronize()
+        pyalloc.get_allocator(0).process_events()
+        assert pyalloc.malloc(4 * KiB) == p
+        pyalloc.free(p)
+    finally:
+        pyalloc.set_default_backend(None)
+
+
 # ------------------------------------------------------------------ events are given back
 
 def allocator_with_an_event(pending):
