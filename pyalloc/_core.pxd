@@ -76,6 +76,7 @@ cdef class DeviceCachingAllocator:
     cdef size_t policy_release_bytes(self, size_t size, uintptr_t stream) except? 0
     cdef int release_cached_segment(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1
     cdef raise_oom(self, size_t requested)
+    cdef int free_pointer(self, uintptr_t ptr) except -1
     cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1
     cdef bint routes_capture(self, unsigned long long capture_id) noexcept
 

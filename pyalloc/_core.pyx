@@ -507,9 +507,14 @@ cdef class DeviceCachingAllocator:
         Raises NotAllocatedError for a pointer this allocator did not hand out, AlreadyFreedError
         for one it already freed (both are PointerError, a ValueError).
         """
-        release_pointer(self, device_pointer(ptr))
+        self.free_pointer(device_pointer(ptr))
+
+    cdef int free_pointer(self, uintptr_t ptr) except -1:
+        """free() of a pointer already read into C (free, and the framework hooks of _hooks)."""
+        release_pointer(self, ptr)
         if self.stream_pins:
             prune_stream_pins(self)
+        return 0
 
     def record_stream(self, ptr, stream, last_use=False):
         """Declare that the memory at `ptr` is also used on `stream`.

@@ -7,12 +7,14 @@ framework allocation; it reaches the allocator through the C methods _core.pxd d
 cimport cython
 from libc.stdint cimport uintptr_t, intptr_t
 from libcpp.vector cimport vector
+from libcpp.unordered_map cimport unordered_map
+from cython.operator cimport dereference as deref
 from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
 
 from pyalloc._types cimport Block
 from pyalloc._backend cimport BACKEND_OOM
 from pyalloc._core cimport DeviceCachingAllocator, Buffer, address_object
-from pyalloc._validate cimport stream_handle, request_size
+from pyalloc._validate cimport stream_handle, request_size, device_pointer
 from pyalloc.errors import CudaError, OutOfMemoryError
 
 # What cuStreamGetCaptureInfo answers for a stream handle that was destroyed.
@@ -231,34 +233,43 @@ cdef class CoreResourceState:
 
     device_id: the ordinal; registry: the module whose `_allocators` dict maps device ->
     allocator (pyalloc.defaults); from_handle: cuda.core's Buffer.from_handle; takes_stream:
-    whether from_handle records a deallocation stream. `streams` maps each live block's
-    address to the handle of its allocation stream; `last_stream`/`last_handle` are the memo of
-    the stream of the previous call (the resource's _handle_of sets them)."""
+    whether from_handle records a deallocation stream. `allocation_streams` maps each live
+    block's address to the handle of its allocation stream (a C++ map: a Python dict's three
+    operations a Buffer cost more); `last_stream`/`last_handle` are the memo of the stream of
+    the previous call (the resource's _handle_of sets them)."""
     cdef readonly int device_id
-    cdef readonly dict streams
+    cdef unordered_map[uintptr_t, uintptr_t] allocation_streams
     cdef public object last_stream
     cdef public uintptr_t last_handle
     cdef dict _registry_vars
     cdef public object from_handle
     cdef bint _takes_stream
     cdef bint _legacy_is_zero
+    cdef object _proto_type          # the type of the last deallocation stream read, and its
+    cdef object _proto_method        # __cuda_stream__ (called unbound: no bound method to make)
 
     def __init__(self, int device_id, registry, from_handle, bint takes_stream,
                  bint legacy_is_stream_zero):
         self.device_id = device_id
         self._legacy_is_zero = legacy_is_stream_zero
-        self.streams = {}
         self.last_stream = None
         self.last_handle = 0
         self._registry_vars = vars(registry)
         self.from_handle = from_handle
         self._takes_stream = takes_stream
+        self._proto_type = None
+        self._proto_method = None
 
-    cdef inline object allocator(self, mr):
+    @property
+    def streams(self):
+        """{address: allocation stream handle} of the live blocks handed out (a copy)."""
+        return {address: handle for address, handle in self.allocation_streams}
+
+    cdef inline DeviceCachingAllocator allocator(self, mr):
         alloc = (<dict>self._registry_vars["_allocators"]).get(self.device_id)
         if alloc is None:
             alloc = mr._allocator()
-        return alloc
+        return <DeviceCachingAllocator?>alloc
 
     cdef uintptr_t freed_on(self, mr, stream, alloc) except? 0:
         """The handle of a deallocation stream. cuda.core 1.2 hands deallocate another Stream
@@ -272,10 +283,17 @@ cdef class CoreResourceState:
             return self.last_handle
         if type(stream) is int:
             return <uintptr_t>stream
-        proto_of = getattr(stream, "__cuda_stream__", None)
-        if proto_of is None:
-            return mr._stream_handle(stream, alloc)
-        proto = proto_of()
+        if type(stream) is self._proto_type:
+            proto = self._proto_method(stream)
+        else:
+            proto_of = getattr(stream, "__cuda_stream__", None)
+            if proto_of is None:
+                return mr._stream_handle(stream, alloc)
+            proto = proto_of()
+            if not hasattr(stream, "__dict__"):     # no instance can override the type's method
+                method = getattr(type(stream), "__cuda_stream__", None)
+                if method is not None:
+                    self._proto_type, self._proto_method = type(stream), method
         if type(proto) is not tuple or len(<tuple>proto) != 2 or type((<tuple>proto)[1]) is not int:
             return mr._stream_handle(stream, alloc)     # its TypeError names what came back
         handle = <uintptr_t>(<tuple>proto)[1]
@@ -289,7 +307,9 @@ def core_allocate(mr, size, stream=None):
     """A Buffer of `size` bytes for `stream` (see pyalloc.cuda_core)."""
     cdef CoreResourceState st = mr._state
     cdef uintptr_t handle
-    alloc = st.allocator(mr)
+    cdef size_t nbytes = request_size(size)
+    cdef DeviceCachingAllocator alloc = st.allocator(mr)
+    cdef Block* b
     if stream is None:
         handle = 0
     elif stream is st.last_stream:
@@ -301,8 +321,15 @@ def core_allocate(mr, size, stream=None):
                 "capture must stay reserved for the graph's replays): capture with pyalloc's "
                 "graph pools (CachingAllocator.graph) or use cuda.core's GraphMemoryResource")
         handle = mr._handle_of(stream, alloc)
-    ptr = alloc.malloc(size, handle)
-    st.streams[ptr] = handle
+    # The allocator's C methods, not malloc/free: a Python method call each was a fifth of
+    # what this resource added to cuda.core's own cost of a Buffer.
+    if alloc.try_allocate_block(nbytes, handle, &b) == BACKEND_OOM:
+        alloc.raise_oom(nbytes)
+    if b == NULL:
+        ptr = 0                  # 0 bytes: nothing to give back (deallocate ignores 0)
+    else:
+        ptr = address_object(b)
+        st.allocation_streams[b.ptr] = handle
     try:
         if stream is not None and st._takes_stream:
             return st.from_handle(ptr, size, mr=mr, stream=stream)
@@ -310,8 +337,8 @@ def core_allocate(mr, size, stream=None):
     except BaseException:
         # No Buffer owns the block: give it back, so that a refused call changes nothing
         # (unless cuda.core already did, through deallocate, while failing).
-        if st.streams.pop(ptr, None) is not None:
-            alloc.free(ptr)
+        if st.allocation_streams.erase(<uintptr_t>ptr):
+            alloc.free_pointer(<uintptr_t>ptr)
         raise
 
 
@@ -322,16 +349,18 @@ def core_deallocate(mr, ptr, size, stream=None):
     cdef uintptr_t freed_on
     if type(ptr) is not int:
         ptr = int(ptr)
-    if ptr == 0:
+    cdef uintptr_t p = device_pointer(ptr)
+    if p == 0:
         return
-    allocated_on = st.streams.get(ptr)
-    if allocated_on is None:
+    cdef unordered_map[uintptr_t, uintptr_t].iterator it = st.allocation_streams.find(p)
+    if it == st.allocation_streams.end():
         raise ValueError(f"pointer {ptr:#x} ({size} bytes) is not a live allocation of "
                          f"{mr!r}: allocated elsewhere or already freed")
-    alloc = st.allocator(mr)
+    cdef uintptr_t allocated_on = deref(it).second
+    cdef DeviceCachingAllocator alloc = st.allocator(mr)
     if stream is not None:
         freed_on = st.freed_on(mr, stream, alloc)
-        if freed_on != <uintptr_t>allocated_on:
+        if freed_on != allocated_on:
             alloc.record_stream(ptr, freed_on)
-    del st.streams[ptr]
-    alloc.free(ptr)
+    st.allocation_streams.erase(it)
+    alloc.free_pointer(p)

@@ -234,3 +234,42 @@ def test_deallocate_reads_a_streams_protocol_answer_and_refuses_a_bad_one(mr, si
         mr.deallocate(ptr, size, stream=Bad())
     assert sim_defaults.memory_allocated() == MiB      # refused: nothing freed
     mr.deallocate(ptr, size, stream=None)
+
+
+class SlotStream:
+    """A stream object without an instance dict, as cuda.core's Stream (a Cython class): the
+    resource reads its deallocation streams through the type's __cuda_stream__."""
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def test_deallocation_streams_of_one_type_keep_their_own_handles(mr, sim_defaults):
+    sim = sim_defaults.backend
+    s1, s2, s3 = (sim.create_stream() for _ in range(3))
+    for freed_on in (s2, s3, s2):                 # the second and third read the type's method
+        ptr, size, _ = mr.allocate(MiB, stream=s1)
+        sim.launch(freed_on, uses=(ptr,))
+        mr.deallocate(ptr, size, stream=SlotStream(freed_on))
+        busy, _, _ = mr.allocate(MiB, stream=s1)
+        assert busy != ptr                        # waits for the work of the stream it names
+        sim.complete(freed_on)
+        mr.deallocate(busy, size, stream=SlotStream(s1))
+    ptr, size, _ = mr.allocate(MiB, stream=s1)    # another type after: read through its own
+    sim.launch(s3, uses=(ptr,))
+    mr.deallocate(ptr, size, stream=FakeStream(s3))
+    busy, _, _ = mr.allocate(MiB, stream=s1)
+    assert busy != ptr
+    sim.complete(s3)
+    mr.deallocate(busy, size, stream=None)
+    assert sim_defaults.memory_allocated() == 0 and mr._streams == {}
+
+
+def test_a_zero_byte_allocate_leaves_no_live_entry(mr, sim_defaults):
+    assert mr.allocate(0)[0] == 0
+    mr.deallocate(0, 0, stream=None)
+    assert mr._streams == {}
