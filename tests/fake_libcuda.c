@@ -34,7 +34,9 @@
  *     address, cuMemFreeHost), cuStreamWaitValue32 (a unit of work that completes once the host
  *     word reaches the value: polled when an event is queried), cuStreamWaitEvent (ordering not
  *     modelled), and cuMemRetainAllocationHandle over the mapped ranges. The synchronizing calls
- *     complete a stream's work without waiting for its words, as the suite's watchdog would.
+ *     complete a stream's work without waiting for its words, as the suite's watchdog would;
+ *   - enough for cuda.core's Device, Stream and Buffer over pyalloc's resource (tests/test_cuda_
+ *     core_fake_driver.py, bench/cuda_core_resource_cpu.py): stream priorities, not modelled.
  * Test-only entry points (fake_*) are called through ctypes.
  */
 #include <stddef.h>
@@ -871,6 +873,22 @@ CUresult cuMemRetainAllocationHandle(unsigned long long *handle, void *addr) {
     return ERR_INVALID_VALUE;
 }
 
+/* ------------------------------------------------------------------ what cuda.core's Stream uses */
+
+/* Device.create_stream asks for the priority range, then makes the stream with a priority (not
+ * modelled: the fake has one queue per stream whatever its priority). */
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+    if (!current) return ERR_INVALID_CONTEXT;
+    if (least) *least = 0;
+    if (greatest) *greatest = -5;
+    return SUCCESS;
+}
+
+CUresult cuStreamCreateWithPriority(uintptr_t *stream, unsigned flags, int priority) {
+    (void)priority;
+    return cuStreamCreate(stream, flags);
+}
+
 /* ------------------------------------------------------------------ symbol lookup */
 
 static const struct { const char *name; void *fn; } table[] = {
@@ -889,6 +907,7 @@ static const struct { const char *name; void *fn; } table[] = {
     F(cuGraphExecDestroy), F(cuGraphDestroy),
     F(cuStreamCreate), F(cuStreamDestroy), F(cuMemHostAlloc), F(cuMemHostGetDevicePointer),
     F(cuMemFreeHost), F(cuStreamWaitValue32), F(cuStreamWaitEvent), F(cuMemRetainAllocationHandle),
+    F(cuCtxGetStreamPriorityRange), F(cuStreamCreateWithPriority),
 #undef F
 };
 
