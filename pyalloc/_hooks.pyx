@@ -362,5 +362,7 @@ def core_deallocate(mr, ptr, size, stream=None):
         freed_on = st.freed_on(mr, stream, alloc)
         if freed_on != allocated_on:
             alloc.record_stream(ptr, freed_on)
-    st.allocation_streams.erase(it)
+    # By key, not by `it`: freed_on and record_stream run Python (a collection there may free
+    # or make other Buffers, and an insertion that rehashes the map invalidates iterators).
+    st.allocation_streams.erase(p)
     alloc.free_pointer(p)
