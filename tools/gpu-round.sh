@@ -69,7 +69,9 @@ PY
     ;;
 bench)
     echo "== PyTorch: torch.empty through pyalloc against native"
-    timeout 150 python3 bench/bench_torch_hook.py --rounds 9 --json "$OUT/torch_hook.json" 2>&1 | tail -6
+    # 5 rounds take about 2 minutes on the H200 (9 ran past a 150 s timeout and printed nothing).
+    timeout 200 python3 bench/bench_torch_hook.py --rounds ${TORCH_ROUNDS:-5} --json "$OUT/torch_hook.json" \
+        2>&1 | tail -6
     echo "== PyTorch: training on pyalloc against native"
     timeout 200 python3 bench/torch_train_compare.py --steps ${TRAIN_STEPS:-100} --rounds 2 \
         --json "$OUT/torch_train.json" 2>&1 | tail -8
