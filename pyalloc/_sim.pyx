@@ -212,6 +212,9 @@ cdef class SimDevice(Backend):
             settings other than the recorded one reproduce PyTorch's peaks for those settings
             (first fit missed one by 2.9%).
 
+    Freeing a segment completes the work queued on every stream first, as cudaFree waits for the
+    device before it returns memory (an address it hands out again is then safe to use).
+
     Attributes: counters (calls per backend operation); segment_alloc_hook, a callable(nbytes)
     run at the start of every segment allocation (None by default), where a test can look at the
     allocator in the middle of one (e.g. what other threads can do while the "driver" allocates);
@@ -507,6 +510,9 @@ cdef class SimDevice(Backend):
             raise RuntimeError(f"SimDevice: free of {ptr:#x} ({nbytes} bytes), which is not a live segment")
         self._remove_segment(it)
         self.used_memory -= nbytes
+        # cudaFree waits for the device before it gives the memory back: work queued on any
+        # stream, which may still use the segment, completes first (PyTorch relies on it).
+        self._finish_all_work()
         return BACKEND_OK
 
     cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
@@ -813,12 +819,17 @@ cdef class SimDevice(Backend):
         Raises CudaError while a capture is underway, and invalidates every such capture."""
         if self._live:
             self._device_sync_in_capture()
+        self._finish_all_work()
+
+    cdef int _finish_all_work(self) except -1:
+        """Complete the work queued on every stream (synchronize, and the wait of segment_free)."""
         cdef vector[uintptr_t] streams
         cdef pair[uintptr_t, StreamState] p
         for p in self._streams:
             streams.push_back(p.first)
         for s in streams:
             self._advance(s, self._stream(s).launched)
+        return 0
 
     cdef int device_synchronize(self) except -1:
         self.counters["device_synchronize"] += 1

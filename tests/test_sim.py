@@ -515,3 +515,27 @@ def test_counters_count_failed_segment_attempts():
 def test_sim_device_is_exported():
     assert pyalloc.SimDevice is SimDevice
     assert "SimDevice" in repr(SimDevice(4 * MiB))
+
+
+def test_a_segment_free_waits_for_the_work_of_every_stream_as_cudafree_does():
+    sim, alloc = make(1 << 30)
+    s, other = sim.create_stream(), sim.create_stream()
+    p = alloc.malloc(4 * KiB, s)
+    sim.launch(s)                                 # may still use p
+    sim.launch(other)
+    on_s, on_other = sim.record_event(s), sim.record_event(other)
+    alloc.free(p)                                 # its own stream: cached without an event
+    alloc.empty_cache()                           # cudaFree of the segment waits for the device
+    assert sim.event_done(on_s) and sim.event_done(on_other)
+
+
+def test_an_empty_cache_that_frees_no_segment_leaves_queued_work_queued():
+    sim, alloc = make(1 << 30)
+    s = sim.create_stream()
+    p, q = alloc.malloc(4 * KiB, s), alloc.malloc(4 * KiB, s)    # one small segment
+    sim.launch(s)
+    on_s = sim.record_event(s)
+    alloc.free(p)
+    alloc.empty_cache()                           # q keeps the segment: no cudaFree
+    assert not sim.event_done(on_s)
+    alloc.free(q)
