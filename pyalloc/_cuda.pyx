@@ -66,6 +66,16 @@ cdef inline int check(cydriver.CUresult result, str call) except -1:
     return 0
 
 
+cdef inline int check_in_context(cydriver.CUresult r_enter, cydriver.CUresult r_call, str call,
+                                 cydriver.CUresult r_leave) except -1:
+    """The results of one call made with our context current (CudaDevice._enter, the call,
+    _leave), checked in that order: the first failure is the error raised."""
+    check(r_enter, "cuCtxSetCurrent")
+    check(r_call, call)
+    check(r_leave, "cuCtxSetCurrent")
+    return 0
+
+
 # ------------------------------------------------------------------- relaxed capture mode
 #
 # While a stream captures in global mode (the default, and what torch.cuda.graph uses), every
@@ -406,9 +416,7 @@ cdef class CudaDevice(Backend):
                 # No timing: the allocator only asks "done yet?", and timing events cost more.
                 r_call = cydriver.cuEventCreate(&ev, cydriver.CU_EVENT_DISABLE_TIMING)
                 r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuEventCreate")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuEventCreate", r_leave)
         event[0] = <uintptr_t>ev
         return BACKEND_OK
 
@@ -425,9 +433,7 @@ cdef class CudaDevice(Backend):
             if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuEventRecord(<cydriver.CUevent>event, <cydriver.CUstream>stream)
                 r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuEventRecord")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuEventRecord", r_leave)
         return BACKEND_OK
 
     cdef int _record_in_other_context(self, uintptr_t event, uintptr_t stream,
@@ -444,9 +450,7 @@ cdef class CudaDevice(Backend):
                 r_call = cydriver.cuEventRecord(<cydriver.CUevent>event, <cydriver.CUstream>stream)
                 if prev != ctx:
                     r_leave = cydriver.cuCtxSetCurrent(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuEventRecord")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuEventRecord", r_leave)
         return BACKEND_OK
 
     cdef int stream_device(self, uintptr_t stream) except -2:
@@ -463,9 +467,7 @@ cdef class CudaDevice(Backend):
             if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuStreamGetDevice(<cydriver.CUstream>stream, &dev)
                 r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuStreamGetDevice")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuStreamGetDevice", r_leave)
         if dev == self._cudevice:
             return self.device
         for ordinal in range(_device_count):
@@ -497,9 +499,7 @@ cdef class CudaDevice(Backend):
                 r_call = cydriver.cuEventCreate(&ev, cydriver.CU_EVENT_DISABLE_TIMING)
                 if prev != ctx:
                     r_leave = cydriver.cuCtxSetCurrent(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuEventCreate")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuEventCreate", r_leave)
         event[0] = <uintptr_t>ev
         self._other_events[event[0]] = ctx
         return BACKEND_OK
@@ -538,9 +538,7 @@ cdef class CudaDevice(Backend):
             if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuStreamSynchronize(<cydriver.CUstream>stream)
                 r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuStreamSynchronize")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuStreamSynchronize", r_leave)
         return BACKEND_OK
 
     cdef int device_synchronize(self) except -1:
@@ -557,9 +555,7 @@ cdef class CudaDevice(Backend):
             if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuCtxSynchronize()
                 r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuCtxSynchronize")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuCtxSynchronize", r_leave)
 
     # Python-level access to the event calls, for tests and tools (the core uses the cdef ones).
 
@@ -610,9 +606,7 @@ cdef class CudaDevice(Backend):
                 r_call = cydriver.cuStreamBeginCapture(<cydriver.CUstream>stream,
                                                        <cydriver.CUstreamCaptureMode>mode)
                 r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuStreamBeginCapture")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuStreamBeginCapture", r_leave)
         return BACKEND_OK
 
     cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
@@ -675,9 +669,7 @@ cdef class CudaDevice(Backend):
             if r_enter == cydriver.CUDA_SUCCESS:
                 r_call = cydriver.cuGraphLaunch(exec_, <cydriver.CUstream>stream)
                 r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuGraphLaunch")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuGraphLaunch", r_leave)
         return BACKEND_OK
 
     cdef int graph_destroy(self, uintptr_t graph) except -1:
@@ -729,9 +721,7 @@ cdef class CudaDevice(Backend):
                 for i in range(n):
                     terminals[0][i] = <uintptr_t>deps[i]
             r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_call, "cuStreamGetCaptureInfo")
-        check(r_leave, "cuCtxSetCurrent")
+        check_in_context(r_enter, r_call, "cuStreamGetCaptureInfo", r_leave)
         if status != cydriver.CU_STREAM_CAPTURE_STATUS_ACTIVE:
             terminals[0].clear()
             return 0                            # not capturing, or the capture was invalidated
