@@ -38,7 +38,6 @@ import threading
 
 from pyalloc import _hooks, _streams
 from pyalloc import defaults as _defaults
-from pyalloc.errors import NoCudaDriverError
 
 __all__ = ["PyallocMemoryResource", "import_cuda_core"]
 
@@ -107,13 +106,8 @@ def _build():
 
         def _allocator(self):
             """This device's default allocator; refuses one that is not on the GPU."""
-            alloc = registry.get_allocator(self._device_id)
-            if alloc.backend.kind != "cuda":
-                raise NoCudaDriverError(
-                    f"pyalloc.cuda_core: the default allocator of device {alloc.device} uses the "
-                    f"{alloc.backend.kind!r} backend, not 'cuda'; cuda.core needs GPU memory "
-                    "(pyalloc.set_default_backend(None) or 'cuda')")
-            return alloc
+            return registry.check_gpu_backend(registry.get_allocator(self._device_id),
+                                              "pyalloc.cuda_core", "cuda.core")
 
         def _stream_handle(self, stream, alloc):
             """The allocator's key for `stream` (not None): its handle, CU_STREAM_LEGACY folded

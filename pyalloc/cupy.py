@@ -99,11 +99,7 @@ def _as_cupy_oom(exc):
 
 def _check_backend(alloc):
     """CuPy needs real device memory: refuse a default allocator on the simulated device."""
-    if alloc.backend.kind != "cuda":
-        raise NoCudaDriverError(
-            f"pyalloc.cupy: the default allocator of device {alloc.device} uses the "
-            f"{alloc.backend.kind!r} backend, not 'cuda'; CuPy needs GPU memory "
-            f"(pyalloc.set_default_backend(None) or 'cuda')")
+    return _defaults.check_gpu_backend(alloc, "pyalloc.cupy", "CuPy")
 
 
 def allocator(device=None, fallback=None, detect_capture="route"):

@@ -16,7 +16,7 @@ import sys
 import threading
 
 from pyalloc.allocator import CachingAllocator
-from pyalloc.errors import NotAllocatedError
+from pyalloc.errors import NoCudaDriverError, NotAllocatedError
 
 _lock = threading.RLock()
 _allocators = {}            # device ordinal -> CachingAllocator
@@ -135,6 +135,17 @@ def get_allocator(device=None):
         device = _current_device()
     alloc = _allocators.get(device) if type(device) is int else None
     return alloc if alloc is not None else _create(device)
+
+
+def check_gpu_backend(alloc, hook, framework):
+    """Refuse, for the framework hook module `hook` (e.g. "pyalloc.cupy"), a default allocator
+    that is not on the GPU: `framework` (e.g. "CuPy") needs real device memory. Returns `alloc`."""
+    if alloc.backend.kind != "cuda":
+        raise NoCudaDriverError(
+            f"{hook}: the default allocator of device {alloc.device} uses the "
+            f"{alloc.backend.kind!r} backend, not 'cuda'; {framework} needs GPU memory "
+            "(pyalloc.set_default_backend(None) or 'cuda')")
+    return alloc
 
 
 def default_allocators():

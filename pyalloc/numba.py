@@ -46,7 +46,7 @@ import weakref
 from pyalloc import _streams
 from pyalloc import defaults as _defaults
 from pyalloc._core import Buffer
-from pyalloc.errors import NoCudaDriverError, OutOfMemoryError
+from pyalloc.errors import OutOfMemoryError
 
 __all__ = ["install", "is_installed", "allocation_stream", "PyallocMemoryManager",
            "NumbaOutOfMemoryError"]
@@ -197,13 +197,8 @@ def _build():
 
         def _allocator(self):
             """The default allocator of this context's device; refuses one that is not on the GPU."""
-            alloc = registry.get_allocator(self._device)
-            if alloc.backend.kind != "cuda":
-                raise NoCudaDriverError(
-                    f"pyalloc.numba: the default allocator of device {alloc.device} uses the "
-                    f"{alloc.backend.kind!r} backend, not 'cuda'; Numba needs GPU memory "
-                    "(pyalloc.set_default_backend(None) or 'cuda')")
-            return alloc
+            return registry.check_gpu_backend(registry.get_allocator(self._device),
+                                              "pyalloc.numba", "Numba")
 
         def initialize(self):
             alloc = self._allocator()
