@@ -31,7 +31,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/interleave.py, as a script too
-from interleave import interleaved, ratio   # noqa: E402
+from interleave import format_table, interleaved, ratio   # noqa: E402
 
 NBYTES = 1 << 20
 
@@ -158,17 +158,6 @@ def run(iters=2000, rounds=61):
         ratios["pyalloc_pair / torch_pair"] = ratio(samples, "pyalloc_pair", "torch_pair")
     ratios["pyalloc_pair / floor"] = ratio(samples, "pyalloc_pair", "floor")
     return results, ratios
-
-
-def format_table(results, ratios):
-    lines = [f"{'case':<22}{'best ns/op':>12}{'median ns/op':>14}"]
-    for name, (best, median) in results.items():
-        lines.append(f"{name:<22}{best:>12.1f}{median:>14.1f}")
-    lines.append("")
-    lines.append(f"{'ratio (median of per-round ratios)':<58}{'median':>8}{'q1 - q3':>16}")
-    for name, (median, q1, q3) in ratios.items():
-        lines.append(f"{name:<58}{median:>8.3f}{q1:>8.3f} -{q3:>6.3f}")
-    return "\n".join(lines)
 
 
 def main(argv=None):

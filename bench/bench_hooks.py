@@ -32,7 +32,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/interleave.py, as a script too
-from interleave import interleaved, ratio   # noqa: E402
+from interleave import format_table, interleaved, ratio   # noqa: E402
 
 
 def _gpu_reason():
@@ -172,18 +172,6 @@ def run(nbytes, iters, rounds):
     results = {name: (min(v), statistics.median(v)) for name, v in samples.items()}
     ratios = {label: ratio(samples, a, b) for label, a, b in RATIOS if a in samples and b in samples}
     return results, ratios, notes
-
-
-def format_table(results, ratios, notes):
-    lines = [f"{'case':<26}{'best ns/op':>12}{'median ns/op':>14}"]
-    for name, (best, median) in results.items():
-        lines.append(f"{name:<26}{best:>12.1f}{median:>14.1f}")
-    lines.append("")
-    lines.append(f"{'ratio (median of per-round ratios)':<68}{'median':>8}{'q1 - q3':>16}")
-    for name, (median, q1, q3) in ratios.items():
-        lines.append(f"{name:<68}{median:>8.3f}{q1:>8.3f} -{q3:>6.3f}")
-    lines.extend(notes)
-    return "\n".join(lines)
 
 
 def main(argv=None):

@@ -36,6 +36,23 @@ def ratio(samples, numerator, denominator):
     return median, q1, q3
 
 
+def format_table(results, ratios, notes=()):
+    """The text table the GPU benchmarks print: results {case: (best, median) ns per op}, ratios
+    {label: (median, q1, q3)} (from ratio), then the lines of `notes`."""
+    case_width = max([len("case")] + [len(name) for name in results]) + 4
+    label = "ratio (median of per-round ratios)"
+    label_width = max([len(label)] + [len(name) for name in ratios]) + 2
+    lines = [f"{'case':<{case_width}}{'best ns/op':>12}{'median ns/op':>14}"]
+    for name, (best, median) in results.items():
+        lines.append(f"{name:<{case_width}}{best:>12.1f}{median:>14.1f}")
+    lines.append("")
+    lines.append(f"{label:<{label_width}}{'median':>8}{'q1 - q3':>16}")
+    for name, (median, q1, q3) in ratios.items():
+        lines.append(f"{name:<{label_width}}{median:>8.3f}{q1:>8.3f} -{q3:>6.3f}")
+    lines.extend(notes)
+    return "\n".join(lines)
+
+
 def repeat(fn):
     """loop(iterations) calling fn() that many times: the shape of pytest-benchmark's own loop,
     so a ratio of two such loops is the ratio pytest-benchmark's medians estimate."""
