@@ -1,5 +1,17 @@
-"""Helpers shared by the CuPy GPU tests (imported by tests/test_*_gpu.py; needs CuPy and a GPU)."""
+"""Helpers shared by the GPU tests (imported by tests/test_*_gpu.py). Importing this module needs
+neither CuPy nor a GPU; HostFlag needs both."""
 import ctypes
+
+import pytest
+
+from pyalloc import cuda_backend
+
+# A GPU test module's marks: `gpu`, and skipped, with the reason, where no GPU is visible.
+NEEDS_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda_backend.is_available(),
+                       reason=f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"),
+]
 
 
 class HostFlag:

@@ -11,11 +11,9 @@ import pytest
 import pyalloc
 from pyalloc import cuda_backend
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_backend.is_available(),
-                       reason=f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"),
-]
+from gpu_helpers import NEEDS_GPU   # noqa: E402
+
+pytestmark = NEEDS_GPU
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -9,15 +9,12 @@ their elements; CuPy's own pool: 4,194,304).
 import pytest
 
 import pyalloc
-from pyalloc import cuda_backend
 
 cp = pytest.importorskip("cupy", reason="needs CuPy")
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_backend.is_available(),
-                       reason=f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"),
-]
+from gpu_helpers import NEEDS_GPU   # noqa: E402
+
+pytestmark = NEEDS_GPU
 
 import pyalloc.cupy as pc   # noqa: E402
 

@@ -11,11 +11,9 @@ from pyalloc import cuda_backend
 
 cp = pytest.importorskip("cupy", reason="needs CuPy")
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_backend.is_available(),
-                       reason=f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"),
-]
+from gpu_helpers import NEEDS_GPU   # noqa: E402
+
+pytestmark = NEEDS_GPU
 
 MiB = 1 << 20
 

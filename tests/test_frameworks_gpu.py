@@ -21,15 +21,10 @@ import numpy as np
 import pytest
 
 import pyalloc
-from pyalloc import cuda_backend
 
-from gpu_helpers import let_numba_cuda_compile_with_this_numpy
+from gpu_helpers import NEEDS_GPU, let_numba_cuda_compile_with_this_numpy
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_backend.is_available(),
-                       reason=f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"),
-]
+pytestmark = NEEDS_GPU
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -14,18 +14,14 @@ import numpy as np
 import pytest
 
 import pyalloc
-from pyalloc import cuda_backend
 
 cp = pytest.importorskip("cupy", reason="needs CuPy")
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cuda_backend.is_available(),
-                       reason=f"needs an NVIDIA GPU: {cuda_backend.unavailable_reason()}"),
-]
+from gpu_helpers import NEEDS_GPU, HostFlag   # noqa: E402
+
+pytestmark = NEEDS_GPU
 
 import pyalloc.cupy as pc   # noqa: E402
-from gpu_helpers import HostFlag   # noqa: E402
 
 MiB = 1 << 20
 
