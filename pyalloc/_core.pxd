@@ -22,14 +22,22 @@ ctypedef Block* BlockPtr
 
 
 cdef class DeviceCachingAllocator:
-    cdef AllocatorLock mutex
-    cdef readonly Backend backend
-    cdef CoreState st                                 # settings, statistics, history, spares
-    cdef BlockPool* large_blocks                      # the default pools
-    cdef BlockPool* small_blocks
-    cdef ActiveMap* active_blocks                     # ptr -> block handed out or awaiting events
-    cdef EventQueues stream_events
+    # What a cache hit reads comes first and together (declaration order is the object's layout),
+    # so that a malloc or free served from the cache touches few of the object's cache lines: the
+    # pools, the active map, the tests of needs_python (_core.pyx), the lock's word, then the
+    # settings and statistics at the start of st.
+    cdef BlockPool* small_blocks                      # the default pools
+    cdef BlockPool* large_blocks
+    cdef ActiveMap active_blocks                      # ptr -> block handed out or awaiting events
     cdef size_t outstanding_events
+    cdef vector[Route] captures_underway              # newest last; scanned newest first
+    cdef int capture_routes                           # routes of kind ROUTE_CAPTURE active
+    cdef public bint capture_alloc_stacks              # set by the snapshot layer
+    cdef public bint capture_free_stacks               # also capture the stack of each free()
+    cdef AllocatorLock mutex
+    cdef CoreState st                                 # settings, statistics, history, spares
+    cdef readonly Backend backend
+    cdef EventQueues stream_events
     cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
     cdef unordered_map[int, vector[uintptr_t]] foreign_event_pools   # the same, by other device
     cdef unordered_map[uintptr_t, int] foreign_event_devices         # event -> its other device
@@ -49,16 +57,12 @@ cdef class DeviceCachingAllocator:
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools
-    cdef vector[Route] captures_underway              # newest last; scanned newest first
     cdef vector[Block*] deferred_blocks               # freed with stream uses while routing
-    cdef int capture_routes                           # routes of kind ROUTE_CAPTURE active
     cdef unordered_map[BlockPtr, CaptureUses] capture_uses     # blocks used or freed in a capture
     cdef unordered_map[uint64_t, CaptureReuse] reuse_contexts  # by capture id (#162186 cache)
     cdef uint64_t nodes_expanded                      # graph nodes the reuse walks expanded
 
     # memory history
-    cdef public bint capture_alloc_stacks              # set by the snapshot layer
-    cdef public bint capture_free_stacks               # also capture the stack of each free()
     cdef public object context_recorder                # callable() -> context id, or None
     cdef public list oom_observers                     # callables(device, alloc_size, total, free)
 

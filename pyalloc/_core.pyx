@@ -43,8 +43,9 @@ import threading
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
 from pyalloc._types cimport (ActiveMap, Block, BlockPool, BlockSet, CaptureUses, CoreState, MempoolId,
                              PrivatePool, Route, ROUTE_THREAD, ROUTE_CAPTURE, Stat, TraceEntry,
-                             UnmappedSet, stat_allocated, single_freed,
-                             stat_freed, stat_reset_accumulated, NUM_STATS, ST_RESERVED_BYTES,
+                             UnmappedSet, StatRow, stat_current, stat_peak, stat_allocated,
+                             single_freed, stat_freed, stat_reset_peak, stat_reset_accumulated,
+                             single_reset_accumulated, NUM_STATS, ST_RESERVED_BYTES,
                              ST_ALLOCATED_BYTES, ST_ACTIVE_BYTES, ST_ALLOCATION, ST_ACTIVE,
                              ST_REQUESTED_BYTES, ST_INACTIVE_SPLIT, ST_INACTIVE_SPLIT_BYTES,
                              ST_SEGMENT, TR_OOM, TR_SNAPSHOT)
@@ -296,7 +297,6 @@ cdef class DeviceCachingAllocator:
         self.backend = NO_BACKEND       # until __init__: raises RuntimeError, never crashes
         self.large_blocks = new BlockPool(False, NULL)
         self.small_blocks = new BlockPool(True, NULL)
-        self.active_blocks = new ActiveMap()
         self.st.metadata_now = pyalloc_metadata_now
         self.oom_observers = []
         self.stream_pins = {}
@@ -336,7 +336,6 @@ cdef class DeviceCachingAllocator:
         for entry in self.graph_pools:
             del entry.second
         self.graph_pools.clear()
-        del self.active_blocks
         del self.large_blocks
         del self.small_blocks
 
@@ -844,7 +843,7 @@ cdef class DeviceCachingAllocator:
         PyTorch. Keys are sorted, as torch.cuda.memory_stats returns them.
         """
         # Copied under the lock, read into Python objects after it (see copy_segments).
-        cdef Stat stats[9][3]
+        cdef StatRow stats[9]
         cdef Stat oversize[2]
         cdef int64_t counters[5]
         cdef size_t max_split
@@ -852,8 +851,7 @@ cdef class DeviceCachingAllocator:
         cdef int k, p
         lock_allocator(self)
         for k in range(NUM_STATS):
-            for p in range(3):
-                stats[k][p] = self.st.stats[k][p]
+            stats[k] = self.st.stats[k]
         oversize[0] = self.st.oversize_allocations
         oversize[1] = self.st.oversize_segments
         counters[0] = self.st.num_alloc_retries
@@ -866,12 +864,11 @@ cdef class DeviceCachingAllocator:
         out = {}
         for k in range(NUM_STATS):
             for p in range(3):
-                s = stats[k][p]
                 prefix = f"{STAT_NAMES[k]}.{POOL_NAMES[p]}."
-                out[prefix + "current"] = s.current
-                out[prefix + "peak"] = s.peak
-                out[prefix + "allocated"] = stat_allocated(stats[k], p)
-                out[prefix + "freed"] = stat_freed(stats[k], p)
+                out[prefix + "current"] = stat_current(&stats[k], p)
+                out[prefix + "peak"] = stat_peak(&stats[k], p)
+                out[prefix + "allocated"] = stat_allocated(&stats[k], p)
+                out[prefix + "freed"] = stat_freed(&stats[k], p)
         for k, name in enumerate(("oversize_allocations", "oversize_segments")):
             s = oversize[k]
             out[name + ".current"] = s.current
@@ -886,26 +883,25 @@ cdef class DeviceCachingAllocator:
 
     def memory_allocated(self):
         """Bytes in blocks handed out and not freed (allocated_bytes.all.current)."""
-        return self.st.stats[ST_ALLOCATED_BYTES][0].current
+        return self.st.stats[ST_ALLOCATED_BYTES].all_current
 
     def memory_reserved(self):
         """Bytes in segments held from the device (reserved_bytes.all.current)."""
-        return self.st.stats[ST_RESERVED_BYTES][0].current
+        return self.st.stats[ST_RESERVED_BYTES].all_current
 
     def max_memory_allocated(self):
         """Peak of memory_allocated() since creation or the last reset_peak_memory_stats()."""
-        return self.st.stats[ST_ALLOCATED_BYTES][0].peak
+        return self.st.stats[ST_ALLOCATED_BYTES].all_peak
 
     def max_memory_reserved(self):
         """Peak of memory_reserved() since creation or the last reset_peak_memory_stats()."""
-        return self.st.stats[ST_RESERVED_BYTES][0].peak
+        return self.st.stats[ST_RESERVED_BYTES].all_peak
 
     def reset_peak_memory_stats(self):
         """Set every statistic's peak to its current value."""
         lock_allocator(self)
         for k in range(NUM_STATS):
-            for p in range(3):
-                self.st.stats[k][p].peak = self.st.stats[k][p].current
+            stat_reset_peak(&self.st.stats[k])
         self.st.oversize_allocations.peak = self.st.oversize_allocations.current
         self.st.oversize_segments.peak = self.st.oversize_segments.current
         self.mutex.unlock()
@@ -914,10 +910,9 @@ cdef class DeviceCachingAllocator:
         """Zero the cumulative allocated/freed counts and the retry/OOM/sync/device counters."""
         lock_allocator(self)
         for k in range(NUM_STATS):
-            for p in range(3):
-                stat_reset_accumulated(&self.st.stats[k][p])
-        stat_reset_accumulated(&self.st.oversize_allocations)
-        stat_reset_accumulated(&self.st.oversize_segments)
+            stat_reset_accumulated(&self.st.stats[k])
+        single_reset_accumulated(&self.st.oversize_allocations)
+        single_reset_accumulated(&self.st.oversize_segments)
         self.st.num_alloc_retries = 0
         self.st.num_ooms = 0
         self.st.num_sync_all_streams = 0
@@ -1034,7 +1029,7 @@ cdef class DeviceCachingAllocator:
     def _record_snapshot_entry(self):
         """Add a `snapshot` trace entry (addr 0, size = active bytes), as taking a snapshot does."""
         lock_allocator(self)
-        trace(&self.st, TR_SNAPSHOT, 0, self.st.stats[ST_ACTIVE_BYTES][0].current, 0, 0)
+        trace(&self.st, TR_SNAPSHOT, 0, self.st.stats[ST_ACTIVE_BYTES].all_current, 0, 0)
         self.mutex.unlock()
 
     def _check_invariants(self):
@@ -1786,11 +1781,8 @@ cdef int release_available_cached_blocks(DeviceCachingAllocator a, BlockPool* po
         # During a capture, freeing a segment would invalidate it: PyTorch does it anyway (#159594,
         # open in late 2025); pyalloc fails over to the out-of-memory error instead.
         return 0
-    cdef Block key
-    key.stream = stream
-    key.size = size if size > max_split else max_split
-    key.ptr = 0
-    cdef BlockSet.iterator it = pool.blocks.lower_bound(&key)
+    cdef size_t wanted = size if size > max_split else max_split      # bytes to free at least
+    cdef BlockSet.iterator it = pool.blocks.lower_bound(stream, wanted)
     cdef BlockSet.iterator cur
     cdef size_t released = 0
     cdef bint is_first
@@ -1800,7 +1792,7 @@ cdef int release_available_cached_blocks(DeviceCachingAllocator a, BlockPool* po
         if it == pool.blocks.begin():
             return 0
         dec(it)
-        while released < key.size and deref(it).size >= max_split and deref(it).stream == stream:
+        while released < wanted and deref(it).size >= max_split and deref(it).stream == stream:
             cur = it
             is_first = cur == pool.blocks.begin()
             if not is_first:
@@ -1811,7 +1803,7 @@ cdef int release_available_cached_blocks(DeviceCachingAllocator a, BlockPool* po
                 release_block(a, b)
             if is_first:
                 break
-        return 1 if released >= key.size else 0
+        return 1 if released >= wanted else 0
     b = deref(it)
     if b.is_split():
         return 0
@@ -1902,7 +1894,6 @@ cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
     cdef double total_age, age_threshold, age
     cdef int64_t freeable
     cdef bint freed_some
-    cdef Block key
     cdef ExpandableSegment* seg
     cdef uintptr_t offset, first, last
     if gc_enabled(s):
@@ -1945,10 +1936,7 @@ cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
     if s.max_split_size != kSizeMax:
         # release_available_cached_blocks, counting instead of freeing.
         key_size = size if size > s.max_split_size else s.max_split_size
-        key.stream = stream
-        key.size = key_size
-        key.ptr = 0
-        it = pool.blocks.lower_bound(&key)
+        it = pool.blocks.lower_bound(stream, key_size)
         while it != pool.blocks.end() and gone.count(deref(it)):
             inc(it)
         r = 0
@@ -2045,8 +2033,8 @@ cdef int record_oom(DeviceCachingAllocator a, size_t alloc_size, size_t rounded,
 
 cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
     """Call the OOM observers, then raise OutOfMemoryError with PyTorch's figures (lock not held)."""
-    allocated = a.st.stats[ST_ALLOCATED_BYTES][0].current
-    reserved = a.st.stats[ST_RESERVED_BYTES][0].current
+    allocated = a.st.stats[ST_ALLOCATED_BYTES].all_current
+    reserved = a.st.stats[ST_RESERVED_BYTES].all_current
     private = a.oom_private
     capped = a.st.settings.allowed_memory_maximum != kSizeMax
     allowed = a.st.settings.allowed_memory_maximum if capped else None
@@ -2588,8 +2576,8 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
     for k in range(NUM_STATS):
         recount[k][0] = recount[k][1] + recount[k][2]
         for p in range(3):
-            assert recount[k][p] == a.st.stats[k][p].current, (
-                f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {a.st.stats[k][p].current}, "
+            assert recount[k][p] == stat_current(&a.st.stats[k], p), (
+                f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {stat_current(&a.st.stats[k], p)}, "
                 f"recount gives {recount[k][p]}")
     assert a.st.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
     # Every pool's set must be in best-fit order with current keys (no stale entries), and every

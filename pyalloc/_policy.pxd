@@ -121,11 +121,7 @@ cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t 
     """
     if gc_enabled(s):
         pool.get_free_blocks_call_count += 1
-    cdef Block key
-    key.stream = stream
-    key.size = size
-    key.ptr = 0
-    cdef BlockSet.iterator it = pool.blocks.lower_bound(&key)
+    cdef BlockSet.iterator it = pool.blocks.lower_bound(stream, size)
     if it == pool.blocks.end() or deref(it).stream != stream:
         return NULL
     cdef BlockSet.iterator after
@@ -263,16 +259,16 @@ cdef inline Block* take_block(CoreState* st, Block* b, bint in_pool, size_t size
             pool.blocks.insert(remaining)
         if not b.expandable:
             if already_split:
-                stat_pool(st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
+                stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
             else:
-                stat_pool(st.stats[ST_INACTIVE_SPLIT], pool.is_small, 1)
-                stat_pool(st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, <int64_t>remaining.size)
+                stat_pool(&st.stats[ST_INACTIVE_SPLIT], pool.is_small, 1)
+                stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, <int64_t>remaining.size)
     else:
         if in_pool:
             pool.blocks.erase(b)
         if already_split and not b.expandable:
-            stat_pool(st.stats[ST_INACTIVE_SPLIT], pool.is_small, -1)
-            stat_pool(st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
+            stat_pool(&st.stats[ST_INACTIVE_SPLIT], pool.is_small, -1)
+            stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
     return b
 
 
@@ -321,6 +317,6 @@ cdef inline Block* merge_free_block(CoreState* st, Block* b) noexcept nogil:
         split_blocks_delta += 1
         split_bytes_delta += <int64_t>merged.size
     if not merged.expandable:
-        stat_pool(st.stats[ST_INACTIVE_SPLIT], pool.is_small, split_blocks_delta)
-        stat_pool(st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, split_bytes_delta)
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT], pool.is_small, split_blocks_delta)
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, split_bytes_delta)
     return merged

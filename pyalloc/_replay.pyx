@@ -479,15 +479,15 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
                 stream = v_stream
                 fits = None
                 margin = 0
-                reserved = allocator.st.stats[ST_RESERVED_BYTES][0].current
-                allocated = allocator.st.stats[ST_ALLOCATED_BYTES][0].current
+                reserved = allocator.st.stats[ST_RESERVED_BYTES].all_current
+                allocated = allocator.st.stats[ST_ALLOCATED_BYTES].all_current
                 if attempt_ooms and size > 0:
                     if allocator.malloc_locked(size, stream, 0, &b) == BACKEND_OOM:
                         fits = False
                         need = segment_size_for(round_size(&allocator.st.settings, size))
                         margin = <object>available_bytes(allocator) - <object>need
-                        reserved = allocator.st.stats[ST_RESERVED_BYTES][0].current
-                        allocated = allocator.st.stats[ST_ALLOCATED_BYTES][0].current
+                        reserved = allocator.st.stats[ST_RESERVED_BYTES].all_current
+                        allocated = allocator.st.stats[ST_ALLOCATED_BYTES].all_current
                     else:
                         fits = True
                         margin = available_bytes(allocator)

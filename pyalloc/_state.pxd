@@ -47,11 +47,11 @@ cdef inline void commit_alloc(CoreState* st, Block* b, size_t orig_size, uint32_
     b.metadata_id = metadata_id
     b.context_id = context_id
     cdef int slot = pool_slot(b.pool)
-    stat_up(st.stats[ST_ALLOCATION], slot, 1)
-    stat_up(st.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
-    stat_up(st.stats[ST_ACTIVE], slot, 1)
-    stat_up(st.stats[ST_ACTIVE_BYTES], slot, <int64_t>b.size)
-    stat_up(st.stats[ST_REQUESTED_BYTES], slot, <int64_t>orig_size)
+    stat_up(&st.stats[ST_ALLOCATION], slot, 1)
+    stat_up(&st.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
+    stat_up(&st.stats[ST_ACTIVE], slot, 1)
+    stat_up(&st.stats[ST_ACTIVE_BYTES], slot, <int64_t>b.size)
+    stat_up(&st.stats[ST_REQUESTED_BYTES], slot, <int64_t>orig_size)
     if b.size >= st.settings.max_split_size:
         stat_add(&st.oversize_allocations, 1)
     if st.history_on:
@@ -63,8 +63,8 @@ cdef inline void commit_free_requested(CoreState* st, Block* b, uint32_t context
     `context_id`: the free call's stack (0: the entry carries the allocation stack)."""
     b.allocated = False
     cdef int slot = pool_slot(b.pool)
-    stat_down(st.stats[ST_ALLOCATION], slot, 1)
-    stat_down(st.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
+    stat_down(&st.stats[ST_ALLOCATION], slot, 1)
+    stat_down(&st.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
     if st.history_on:
         trace(st, TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream,
               context_id if context_id else b.context_id)
@@ -82,16 +82,16 @@ cdef inline Block* commit_free_completed(CoreState* st, Block* b, uint32_t conte
     cdef int64_t size = <int64_t>b.size
     cdef int64_t requested = <int64_t>b.requested_size
     cdef Block* merged = merge_free_block(st, b)
-    stat_down(st.stats[ST_ACTIVE], slot, 1)
-    stat_down(st.stats[ST_ACTIVE_BYTES], slot, size)
-    stat_down(st.stats[ST_REQUESTED_BYTES], slot, requested)
+    stat_down(&st.stats[ST_ACTIVE], slot, 1)
+    stat_down(&st.stats[ST_ACTIVE_BYTES], slot, size)
+    stat_down(&st.stats[ST_REQUESTED_BYTES], slot, requested)
     return merged
 
 
 cdef inline void commit_device_memory(CoreState* st, BlockPool* pool, int64_t delta) noexcept nogil:
     """Reserved memory of `pool` changed by `delta` bytes (a segment or a page range)."""
     st.total_allocated_memory += delta
-    stat_pool(st.stats[ST_RESERVED_BYTES], pool.is_small, delta)
+    stat_pool(&st.stats[ST_RESERVED_BYTES], pool.is_small, delta)
     if pool.owner != NULL:
         pool.owner.reserved_bytes += delta
     if delta > 0:
@@ -105,7 +105,7 @@ cdef inline void commit_segment_alloc(CoreState* st, Block* segment, uint32_t co
     commit_device_memory(st, segment.pool, <int64_t>segment.size)
     if segment.pool.owner != NULL:
         segment.pool.owner.device_allocations += 1
-    stat_pool(st.stats[ST_SEGMENT], segment.pool.is_small, 1)
+    stat_pool(&st.stats[ST_SEGMENT], segment.pool.is_small, 1)
     if segment.size >= st.settings.max_split_size:
         stat_add(&st.oversize_segments, 1)
     if st.history_on:
@@ -117,7 +117,7 @@ cdef inline void commit_segment_free(CoreState* st, Block* segment) noexcept nog
     commit_device_memory(st, segment.pool, -<int64_t>segment.size)
     if segment.pool.owner != NULL:
         segment.pool.owner.device_allocations -= 1
-    stat_pool(st.stats[ST_SEGMENT], segment.pool.is_small, -1)
+    stat_pool(&st.stats[ST_SEGMENT], segment.pool.is_small, -1)
     if segment.size >= st.settings.max_split_size:
         stat_add(&st.oversize_segments, -1)
     if st.history_on:

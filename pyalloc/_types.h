@@ -77,27 +77,31 @@ struct BlockByAddress {
 //  * A block is in pool->blocks iff it is mapped, not allocated, event_count == 0 and
 //    stream_uses is empty ("free"). Two free blocks are never neighbours (they would have merged).
 //  * A block is in the allocator's active map iff it is allocated or still waits for events.
-struct Block {
+// Laid out for the cache-hit path, which touches a block's first 64 bytes (its key, list
+// links, pool position and requested size) and a few words of the second line: aligned to a
+// cache line so that a block spans two lines, not three or four.
+struct alignas(64) Block {
     uintptr_t stream = 0;          // allocation stream; a block is only reused on this stream
     size_t size = 0;               // bytes, a multiple of 512
     uintptr_t ptr = 0;             // device address
-    size_t requested_size = 0;     // bytes the caller asked for (unrounded) while allocated
     BlockPool* pool = nullptr;     // owning pool
     Block* prev = nullptr;         // neighbour at lower address in the same segment
     Block* next = nullptr;         // neighbour at higher address in the same segment
+    std::set<PoolEntry, EntryBySize>::iterator pool_pos;  // entry in pool->blocks while free
+    size_t requested_size = 0;     // bytes the caller asked for (unrounded) while allocated
+    // second line
     bool allocated = false;        // handed out and not yet freed by the caller
     bool mapped = true;            // false for unmapped address space of an expandable segment
     bool expandable = false;       // part of an expandable segment
-    ExpandableSegment* segment = nullptr;  // that segment, when expandable
     int event_count = 0;           // outstanding cross-stream events recorded at free
-    int64_t gc_count_base = 0;     // pool->get_free_blocks_call_count when last inserted
-    std::vector<uintptr_t> stream_uses;  // streams added by record_stream (never the alloc stream)
     uint32_t metadata_id = 0;      // user metadata current when allocated (0 = none)
     uint32_t context_id = 0;       // captured stack of the hand-out (0 = none)
+    std::vector<uintptr_t> stream_uses;  // streams added by record_stream (never the alloc stream)
+    int64_t gc_count_base = 0;     // pool->get_free_blocks_call_count when last inserted
+    ExpandableSegment* segment = nullptr;  // that segment, when expandable
     uint32_t segment_context_id = 0;  // stack of the segment allocation, on the head block
     void* py_address = nullptr;    // a Python int owned by the core, equal to py_address_value:
     uintptr_t py_address_value = 0;  // malloc() returns it again while ptr still equals it
-    std::set<PoolEntry, EntryBySize>::iterator pool_pos;  // entry in pool->blocks while free
 
     bool is_split() const { return prev != nullptr || next != nullptr; }
 };
@@ -132,6 +136,10 @@ struct BlockSet {
     iterator end() { return iterator{items.end()}; }
     // The first block not ordered before `key`'s (stream, size, ptr).
     iterator lower_bound(Block* key) { return iterator{items.lower_bound(entry_of(key))}; }
+    // The first block of `stream` with size >= `size` (or the first of a later stream, or end).
+    iterator lower_bound(uintptr_t stream, size_t size) {
+        return iterator{items.lower_bound(PoolEntry{stream, size, 0, nullptr})};
+    }
     size_t size() const { return items.size(); }
     bool empty() const { return items.empty(); }
     // b is in the set under its current key (a stale entry, left by a key change without
@@ -366,27 +374,44 @@ struct CaptureReuse {
 
 // The settings the policy reads (bytes unless noted), copied from a config object.
 struct Settings {
+    // The scalars first: the cache-hit path reads them and roundup_divisions[0..1] only.
     size_t max_split_size = SIZE_MAX;            // blocks >= this are "oversize"; SIZE_MAX: unlimited
     size_t max_non_split_rounding_size = 20971520;
-    size_t roundup_divisions[16] = {0};          // roundup_power2_divisions per 1 MiB..32 GiB bucket
+    size_t allowed_memory_maximum = (size_t)-1;  // SIZE_MAX: no per-process limit (0 allows nothing)
     double gc_threshold = 0.0;                   // fraction of allowed_memory_maximum; 0: off
     bool expandable_segments = false;
     bool release_lock_on_malloc = false;         // release_lock_on_cudamalloc
     bool graph_reuse = false;                    // graph_capture_record_stream_reuse (#162186)
     bool graph_last_use = false;                 // graph_capture_last_use_marks (pyalloc only)
     bool graph_cross_stream_reuse = false;       // graph_capture_cross_stream_reuse (pyalloc only)
-    size_t allowed_memory_maximum = (size_t)-1;  // SIZE_MAX: no per-process limit (0 allows nothing)
     double memory_fraction = 1.0;
+    size_t roundup_divisions[16] = {0};          // roundup_power2_divisions per 1 MiB..32 GiB bucket
 };
 
-// One statistic, PyTorch's shape (current, peak, cumulative increase and decrease), kept so that
-// the hot path updates as little as possible (10 to 20 updates run per malloc/free pair):
+// Statistics, PyTorch's shape (current, peak, cumulative increase and decrease per statistic and
+// pool size class), kept so that the hot path updates as little as possible (10 to 20 updates
+// run per malloc/free pair):
 //  * a decrease touches only `current`: the cumulative decrease is derived, freed = base +
 //    allocated - current, where base is `current` at the last reset of the cumulative counts;
-//  * statistics come in rows [all, small_pool, large_pool], every change going to "all" and
-//    exactly one pool, so the "all" entry keeps only current and peak: its cumulative counts are
-//    the sums of the pools'.
+//  * every change goes to "all" and exactly one pool, so the "all" entry keeps only current and
+//    peak: its cumulative counts are the sums of the pools';
+//  * one statistic is one StatRow, whose hot part (all but the bases) is one aligned cache
+//    line: an update touches one line.
 // Forced inline: GCC otherwise keeps some out of line, a call per split or merge.
+struct StatEntry {
+    int64_t current;
+    int64_t peak;
+    int64_t allocated;   // cumulative increase since the last reset_accumulated
+};
+
+struct alignas(64) StatRow {
+    int64_t all_current;
+    int64_t all_peak;
+    StatEntry pool[2];   // [small_pool, large_pool]
+    int64_t base[2];     // pool[i].current at the last reset_accumulated (off the hot line)
+};
+
+// A statistic without pools (oversize allocations and segments).
 struct Stat {
     int64_t current;
     int64_t peak;
@@ -405,33 +430,48 @@ PYALLOC_INLINE void stat_add(Stat* s, int64_t delta) {
     }
 }
 // Row's "all" entry and entry pool_slot (1 small, 2 large) increased by amount >= 0.
-PYALLOC_INLINE void stat_up(Stat* row, int pool_slot, int64_t amount) {
-    row[0].current += amount;
-    if (row[0].current > row[0].peak) row[0].peak = row[0].current;
-    Stat* s = &row[pool_slot];
+PYALLOC_INLINE void stat_up(StatRow* row, int pool_slot, int64_t amount) {
+    row->all_current += amount;
+    if (row->all_current > row->all_peak) row->all_peak = row->all_current;
+    StatEntry* s = &row->pool[pool_slot - 1];
     s->current += amount;
     s->allocated += amount;
     if (s->current > s->peak) s->peak = s->current;
 }
 // Row's "all" entry and entry pool_slot decreased by amount >= 0.
-PYALLOC_INLINE void stat_down(Stat* row, int pool_slot, int64_t amount) {
-    row[0].current -= amount;
-    row[pool_slot].current -= amount;
+PYALLOC_INLINE void stat_down(StatRow* row, int pool_slot, int64_t amount) {
+    row->all_current -= amount;
+    row->pool[pool_slot - 1].current -= amount;
 }
 // Row's "all" entry and the entry of a pool's size class changed by delta (either sign).
-PYALLOC_INLINE void stat_pool(Stat* row, bool small_pool, int64_t delta) {
+PYALLOC_INLINE void stat_pool(StatRow* row, bool small_pool, int64_t delta) {
     if (delta >= 0) stat_up(row, small_pool ? 1 : 2, delta);
     else stat_down(row, small_pool ? 1 : 2, -delta);
 }
-// Cumulative increase / decrease of entry p of a row (p 0: all).
+// Entry p of a row (0 all, 1 small_pool, 2 large_pool): current, peak, cumulative increase and
+// decrease.
+inline int64_t stat_current(const StatRow* row, int p) {
+    return p == 0 ? row->all_current : row->pool[p - 1].current;
+}
+inline int64_t stat_peak(const StatRow* row, int p) {
+    return p == 0 ? row->all_peak : row->pool[p - 1].peak;
+}
+inline int64_t stat_allocated(const StatRow* row, int p) {
+    return p == 0 ? row->pool[0].allocated + row->pool[1].allocated : row->pool[p - 1].allocated;
+}
+inline int64_t stat_freed(const StatRow* row, int p) {
+    if (p == 0) return stat_freed(row, 1) + stat_freed(row, 2);
+    return row->base[p - 1] + row->pool[p - 1].allocated - row->pool[p - 1].current;
+}
+inline void stat_reset_peak(StatRow* row) {
+    row->all_peak = row->all_current;
+    for (int i = 0; i < 2; ++i) row->pool[i].peak = row->pool[i].current;
+}
+inline void stat_reset_accumulated(StatRow* row) {
+    for (int i = 0; i < 2; ++i) { row->pool[i].allocated = 0; row->base[i] = row->pool[i].current; }
+}
 inline int64_t single_freed(const Stat* s) { return s->base + s->allocated - s->current; }
-inline int64_t stat_allocated(const Stat* row, int p) {
-    return p == 0 ? row[1].allocated + row[2].allocated : row[p].allocated;
-}
-inline int64_t stat_freed(const Stat* row, int p) {
-    return p == 0 ? single_freed(&row[1]) + single_freed(&row[2]) : single_freed(&row[p]);
-}
-inline void stat_reset_accumulated(Stat* s) { s->allocated = 0; s->base = s->current; }
+inline void single_reset_accumulated(Stat* s) { s->allocated = 0; s->base = s->current; }
 
 // One allocator event for memory history (PyTorch's TraceEntry). Strings and stacks are kept
 // by id in Python-side tables, so recording an entry allocates nothing.
@@ -468,8 +508,15 @@ struct TraceRing {
 // What one device allocator records and counts, apart from its pools and events: the state that
 // the commit steps (_state.pxd) and the slow-path modules (expandable segments) update.
 struct CoreState {
+    // What the cache-hit path reads, together; then the statistics it updates.
     Settings settings;
-    Stat stats[9][3] = {};                 // [statistic][all, small_pool, large_pool]
+    bool history_on = false;
+    uint32_t skip_actions_mask = 0;
+    uint32_t (*metadata_now)() = nullptr;      // this thread's metadata id; set by _core, its owner
+    std::vector<Block*> spare_blocks;          // recycled Block objects
+    // By statistic (ST_*), on the heap: the allocator object that holds this state is only
+    // 16-byte aligned, and a row must start a cache line to be one.
+    StatRow* stats = new StatRow[9]();
     Stat oversize_allocations = {};
     Stat oversize_segments = {};
     int64_t num_alloc_retries = 0;
@@ -479,12 +526,13 @@ struct CoreState {
     int64_t num_device_free = 0;
     size_t stat_max_split_size = SIZE_MAX;     // as when constructed, like PyTorch
     size_t total_allocated_memory = 0;         // bytes in live segments and mapped pages
-    std::vector<Block*> spare_blocks;          // recycled Block objects
     std::vector<ExpandableSegment*> expandable_segments;
     TraceRing history;
-    bool history_on = false;
-    uint32_t skip_actions_mask = 0;
-    uint32_t (*metadata_now)() = nullptr;      // this thread's metadata id; set by _core, its owner
+
+    CoreState() = default;
+    CoreState(const CoreState&) = delete;
+    CoreState& operator=(const CoreState&) = delete;
+    ~CoreState() { delete[] stats; }
 };
 
 // The calling thread's key for ROUTE_THREAD filters (the lock's owner id: unique among live threads).

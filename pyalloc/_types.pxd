@@ -50,6 +50,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         iterator begin()
         iterator end()
         iterator lower_bound(Block*)
+        iterator lower_bound(uintptr_t stream, size_t size)
         void erase(Block*)
         iterator erase_at(iterator)
         void insert(Block*)
@@ -137,19 +138,32 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
 
     # Statistics: C++ so that they can be forced inline (GCC kept stat_pool out of line, a call
     # per split and merge).
+    cdef struct StatEntry:
+        int64_t current
+        int64_t peak
+        int64_t allocated
+    cdef struct StatRow:
+        int64_t all_current
+        int64_t all_peak
+        StatEntry pool[2]
+        int64_t base[2]
     cdef struct Stat:
         int64_t current
         int64_t peak
         int64_t allocated
         int64_t base
     void stat_add(Stat* s, int64_t delta)
-    void stat_up(Stat* row, int pool_slot, int64_t amount)
-    void stat_down(Stat* row, int pool_slot, int64_t amount)
-    void stat_pool(Stat* row, bint small_pool, int64_t delta)
-    int64_t stat_allocated(Stat* row, int p)
-    int64_t single_freed(Stat* s)
-    int64_t stat_freed(Stat* row, int p)
-    void stat_reset_accumulated(Stat* s)
+    void stat_up(StatRow* row, int pool_slot, int64_t amount)
+    void stat_down(StatRow* row, int pool_slot, int64_t amount)
+    void stat_pool(StatRow* row, bint small_pool, int64_t delta)
+    int64_t stat_current(const StatRow* row, int p)
+    int64_t stat_peak(const StatRow* row, int p)
+    int64_t stat_allocated(const StatRow* row, int p)
+    int64_t stat_freed(const StatRow* row, int p)
+    void stat_reset_peak(StatRow* row)
+    void stat_reset_accumulated(StatRow* row)
+    int64_t single_freed(const Stat* s)
+    void single_reset_accumulated(Stat* s)
 
     cdef cppclass CaptureUses:
         vector[uintptr_t] capture_streams
@@ -175,7 +189,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
 
     cdef cppclass CoreState:
         Settings settings
-        Stat stats[9][3]
+        StatRow* stats
         Stat oversize_allocations
         Stat oversize_segments
         int64_t num_alloc_retries
