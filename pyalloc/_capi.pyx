@@ -2,12 +2,14 @@
 """C entry points: malloc, free and record_stream for C callers on any thread (pyalloc_capi.h).
 
 PyTorch calls its allocator from the thread that runs the operator, from autograd's threads and
-from data-loader threads, some holding the GIL and most not. These functions serve a cache hit of
-a device's default allocator (pyalloc.get_allocator(device)) under its C lock alone; anything else
-takes the GIL (PyGILState_Ensure, never while holding the C lock: the lock's holder may need the
-GIL to finish) and runs the allocator's ordinary Python-level methods, so new segments, out of
-memory, events, history and routes behave exactly as for Python callers. Errors come back as
-codes; the exception itself is kept per thread for Python to raise afterwards.
+from data-loader threads, some holding the GIL and most not. The table's malloc, free and
+record_stream are the fast half in pyalloc._core (entry_malloc and its siblings), which serves a
+cache hit of a device's default allocator (pyalloc.get_allocator(device)) under its C lock alone.
+This module is the slow half: anything else takes the GIL (PyGILState_Ensure, never while holding
+the C lock: the lock's holder may need the GIL to finish) and runs the allocator's ordinary
+Python-level methods, so new segments, out of memory, events, history and routes behave exactly
+as for Python callers. Errors come back as codes; the exception itself is kept per thread for
+Python to raise afterwards.
 
 The table is published as the capsule `table` (name PYALLOC_CAPI_CAPSULE) and, for ctypes, as
 table_address().
@@ -18,9 +20,8 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XINCREF, Py_XDECREF
 from cpython.pycapsule cimport PyCapsule_New
 
-from pyalloc._core cimport (DeviceCachingAllocator, malloc_cache_hit, free_cache_hit,
-                            record_stream_cache_hit)
-from pyalloc._policy cimport kMaxRequest
+from pyalloc._core cimport (entry_malloc, entry_free, entry_record_stream, set_entry_slow_paths,
+                            entry_slot, set_entry_slot, PYALLOC_ENTRY_DEVICES)
 from pyalloc.errors import OutOfMemoryError
 from pyalloc import defaults as _defaults
 
@@ -43,19 +44,9 @@ cdef extern from "pyalloc_capi.h":
 
 from cpython.exc cimport PyErr_Restore, PyErr_SetObject
 
-# The allocator of each device, as the entry points read it without the GIL (acquire loads of
-# pointers published with release stores), and each thread's last error.
+# Each thread's last error.
 cdef extern from *:
     """
-    #include <atomic>
-    #define PYALLOC_MAX_DEVICES 256
-    static std::atomic<PyObject*> pyalloc_slots[PYALLOC_MAX_DEVICES];
-    static inline PyObject* pyalloc_slot_get(int d) {
-        return pyalloc_slots[d].load(std::memory_order_acquire);
-    }
-    static inline void pyalloc_slot_set(int d, PyObject* a) {
-        pyalloc_slots[d].store(a, std::memory_order_release);
-    }
     struct pyalloc_thread_error {
         int code = 0;
         PyObject* type = nullptr;        // owned references (touched with the GIL only)
@@ -66,9 +57,6 @@ cdef extern from *:
     static thread_local pyalloc_thread_error pyalloc_last_error;
     static inline pyalloc_thread_error* pyalloc_error_here() { return &pyalloc_last_error; }
     """
-    int PYALLOC_MAX_DEVICES
-    PyObject* pyalloc_slot_get(int d) noexcept nogil
-    void pyalloc_slot_set(int d, PyObject* a) noexcept nogil
     ctypedef struct pyalloc_thread_error:
         int code
         PyObject* type
@@ -82,42 +70,6 @@ cdef extern from *:
 # a C thread may still be inside a cache hit on one. They hold no live allocations (the change is
 # refused while any do), so each costs its empty structures only.
 cdef list _retired = []
-
-
-# ------------------------------------------------------------------------------- the entry points
-
-cdef int capi_malloc(int device, size_t size, uintptr_t stream, uintptr_t* out) noexcept nogil:
-    cdef PyObject* a
-    out[0] = 0
-    if size == 0:
-        return PYALLOC_OK
-    if 0 <= device < PYALLOC_MAX_DEVICES and size < kMaxRequest:
-        a = pyalloc_slot_get(device)
-        if a != NULL and malloc_cache_hit(<DeviceCachingAllocator>a, size, stream, out):
-            return PYALLOC_OK
-    return malloc_slow(device, size, stream, out)
-
-
-cdef int capi_free(int device, uintptr_t ptr) noexcept nogil:
-    cdef PyObject* a
-    if ptr == 0:
-        return PYALLOC_OK
-    if 0 <= device < PYALLOC_MAX_DEVICES:
-        a = pyalloc_slot_get(device)
-        if a != NULL and free_cache_hit(<DeviceCachingAllocator>a, ptr):
-            return PYALLOC_OK
-    return free_slow(device, ptr)
-
-
-cdef int capi_record_stream(int device, uintptr_t ptr, uintptr_t stream) noexcept nogil:
-    cdef PyObject* a
-    if ptr == 0:
-        return PYALLOC_OK
-    if 0 <= device < PYALLOC_MAX_DEVICES:
-        a = pyalloc_slot_get(device)
-        if a != NULL and record_stream_cache_hit(<DeviceCachingAllocator>a, ptr, stream):
-            return PYALLOC_OK
-    return record_stream_slow(device, ptr, stream)
 
 
 # ------------------------------------------------------------------------------- slow paths (GIL)
@@ -176,16 +128,16 @@ cdef int capi_empty_cache(int device) noexcept with gil:
 
 cdef object allocator_for(int device):
     """The default allocator of `device`, published in its slot for the cache-hit path."""
-    if device < 0 or device >= PYALLOC_MAX_DEVICES:
-        raise ValueError(f"device must be an ordinal in [0, {PYALLOC_MAX_DEVICES}), got {device}")
+    if device < 0 or device >= PYALLOC_ENTRY_DEVICES:
+        raise ValueError(f"device must be an ordinal in [0, {PYALLOC_ENTRY_DEVICES}), got {device}")
     alloc = _defaults.get_allocator(device)
-    cdef PyObject* current = pyalloc_slot_get(device)
+    cdef PyObject* current = entry_slot(device)
     if current != <PyObject*>alloc:
         if current != NULL:
             _retired.append(<object>current)
             Py_XDECREF(current)             # the slot's reference; _retired holds one now
         Py_INCREF(alloc)
-        pyalloc_slot_set(device, <PyObject*>alloc)
+        set_entry_slot(device, <PyObject*>alloc)
     return alloc
 
 
@@ -196,19 +148,19 @@ def forget_allocators():
     kept alive (a C thread may still be in a cache hit on one)."""
     cdef int d
     cdef PyObject* current
-    for d in range(PYALLOC_MAX_DEVICES):
-        current = pyalloc_slot_get(d)
+    for d in range(PYALLOC_ENTRY_DEVICES):
+        current = entry_slot(d)
         if current != NULL:
-            pyalloc_slot_set(d, NULL)
+            set_entry_slot(d, NULL)
             _retired.append(<object>current)
             Py_XDECREF(current)
 
 
 def published_allocator(int device):
     """The allocator the entry points use for `device` now, or None before its first call."""
-    if device < 0 or device >= PYALLOC_MAX_DEVICES:
-        raise ValueError(f"device must be an ordinal in [0, {PYALLOC_MAX_DEVICES}), got {device}")
-    cdef PyObject* current = pyalloc_slot_get(device)
+    if device < 0 or device >= PYALLOC_ENTRY_DEVICES:
+        raise ValueError(f"device must be an ordinal in [0, {PYALLOC_ENTRY_DEVICES}), got {device}")
+    cdef PyObject* current = entry_slot(device)
     return None if current == NULL else <object>current
 
 
@@ -334,9 +286,9 @@ def clear_last_error():
 cdef pyalloc_capi TABLE
 TABLE.version = PYALLOC_CAPI_VERSION
 TABLE.size = sizeof(pyalloc_capi)
-TABLE.malloc = capi_malloc
-TABLE.free = capi_free
-TABLE.record_stream = capi_record_stream
+TABLE.malloc = entry_malloc
+TABLE.free = entry_free
+TABLE.record_stream = entry_record_stream
 TABLE.error_code = capi_error_code
 TABLE.error_message = capi_error_message
 TABLE.take_error = capi_take_error
@@ -344,6 +296,7 @@ TABLE.release_error = capi_release_error
 TABLE.raise_error = capi_raise_error
 TABLE.empty_cache = capi_empty_cache
 
+set_entry_slow_paths(malloc_slow, free_slow, record_stream_slow)
 table = PyCapsule_New(&TABLE, PYALLOC_CAPI_CAPSULE, NULL)
 CAPSULE_NAME = PYALLOC_CAPI_CAPSULE.decode()
 VERSION = PYALLOC_CAPI_VERSION

@@ -108,9 +108,24 @@ cdef inline object address_object(Block* b):
     return address
 
 
-# The cache-hit path for C callers on any thread, with or without the GIL (pyalloc._capi): 1 when
-# served, 0 when the caller must take the GIL and the ordinary path (nothing changed).
-cdef int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_t stream,
-                          uintptr_t* out) noexcept nogil
-cdef int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept nogil
-cdef int record_stream_cache_hit(DeviceCachingAllocator a, uintptr_t ptr, uintptr_t stream) noexcept nogil
+# The C entry points' fast half (pyalloc._capi's table points at these): a cache hit of device's
+# default allocator, served under its C lock without the GIL from any thread; anything else is
+# handed to the slow half that _capi registers with set_entry_slow_paths. entry_slot(device) is the
+# allocator they serve (a borrowed pointer, NULL before _capi publishes one with set_entry_slot).
+cdef extern from *:
+    """
+    #define PYALLOC_ENTRY_DEVICES 256
+    """
+    int PYALLOC_ENTRY_DEVICES           # device ordinals the entry points serve: [0, 256)
+
+ctypedef int (*entry_malloc_fn)(int, size_t, uintptr_t, uintptr_t*) noexcept nogil
+ctypedef int (*entry_free_fn)(int, uintptr_t) noexcept nogil
+ctypedef int (*entry_record_stream_fn)(int, uintptr_t, uintptr_t) noexcept nogil
+
+cdef int entry_malloc(int device, size_t size, uintptr_t stream, uintptr_t* out) noexcept nogil
+cdef int entry_free(int device, uintptr_t ptr) noexcept nogil
+cdef int entry_record_stream(int device, uintptr_t ptr, uintptr_t stream) noexcept nogil
+cdef void set_entry_slow_paths(entry_malloc_fn malloc_slow, entry_free_fn free_slow,
+                               entry_record_stream_fn record_stream_slow) noexcept
+cdef PyObject* entry_slot(int device) noexcept nogil
+cdef void set_entry_slot(int device, PyObject* allocator) noexcept nogil

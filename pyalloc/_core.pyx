@@ -51,7 +51,7 @@ from pyalloc._types cimport (ActiveMap, Block, BlockPool, BlockSet, CaptureUses,
                              ST_SEGMENT, TR_OOM, TR_SNAPSHOT)
 from pyalloc._types cimport current_thread_key as thread_key_now
 from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc,
-                              kLargeBuffer, kRoundLarge, kSizeMax, round_size, is_small_request,
+                              kLargeBuffer, kRoundLarge, kSizeMax, kMaxRequest, round_size, is_small_request,
                               segment_size_for, gc_enabled, get_free_block, take_block,
                               new_block, retire_block, is_free)
 from pyalloc._state cimport (trace, commit_alloc, commit_free_requested, commit_free_completed,
@@ -1291,8 +1291,8 @@ cdef inline bint needs_python(DeviceCachingAllocator a) noexcept nogil:
             or a.capture_alloc_stacks or a.capture_free_stacks)
 
 
-cdef int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_t stream,
-                          uintptr_t* out) noexcept nogil:
+cdef inline int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_t stream,
+                                 uintptr_t* out) noexcept nogil:
     """malloc of `size` bytes (0 < size < kMaxRequest) on `stream` from the cache: 1 with *out the
     pointer, or 0 (not served, nothing changed)."""
     cdef size_t rounded = round_size(&a.st.settings, size)
@@ -1314,7 +1314,7 @@ cdef int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_t strea
     return 1
 
 
-cdef int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept nogil:
+cdef inline int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept nogil:
     """free of a live block used on no other stream: 1 done, or 0 (not done: another case, or a
     bad pointer whose error the ordinary path raises)."""
     cdef Block* b
@@ -1331,7 +1331,7 @@ cdef int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept nogil:
     return 1
 
 
-cdef int record_stream_cache_hit(DeviceCachingAllocator a, uintptr_t ptr, uintptr_t stream) noexcept nogil:
+cdef inline int record_stream_cache_hit(DeviceCachingAllocator a, uintptr_t ptr, uintptr_t stream) noexcept nogil:
     """record_stream of a live block outside any route, where the list of streams has room: 1 done,
     or 0 (not done)."""
     cdef Block* b
@@ -1352,6 +1352,90 @@ cdef int record_stream_cache_hit(DeviceCachingAllocator a, uintptr_t ptr, uintpt
             b.stream_uses.push_back(stream)
     a.mutex.unlock()
     return 1
+
+
+# ------------------------------------------------------------------------------- C entry points, fast half
+#
+# pyalloc._capi's table (pyalloc_capi.h) points its malloc, free and record_stream here, so that a
+# C caller's cache hit is one call into this module with the cache hit inlined: crossing into
+# another module costs an indirect call and another cache line or two on a path that, inside a
+# framework's own work, runs with cold caches. What a cache hit cannot serve goes to _capi's slow
+# half (the GIL, the ordinary path, errors kept per thread), which _capi registers at import.
+
+cdef extern from "pyalloc_capi.h":
+    int PYALLOC_OK
+
+cdef extern from *:
+    """
+    #include <atomic>
+    /* The default allocator of each device as the entry points read it without the GIL (acquire
+       loads of pointers published with release stores by pyalloc._capi, which owns the
+       references). */
+    static std::atomic<PyObject*> pyalloc_entry_slots[PYALLOC_ENTRY_DEVICES];
+    static inline PyObject* pyalloc_entry_slot_get(int d) {
+        return pyalloc_entry_slots[d].load(std::memory_order_acquire);
+    }
+    static inline void pyalloc_entry_slot_set(int d, PyObject* a) {
+        pyalloc_entry_slots[d].store(a, std::memory_order_release);
+    }
+    """
+    PyObject* pyalloc_entry_slot_get(int d) noexcept nogil
+    void pyalloc_entry_slot_set(int d, PyObject* a) noexcept nogil
+
+
+cdef entry_malloc_fn malloc_slow_half = NULL
+cdef entry_free_fn free_slow_half = NULL
+cdef entry_record_stream_fn record_stream_slow_half = NULL
+
+
+cdef void set_entry_slow_paths(entry_malloc_fn malloc_slow, entry_free_fn free_slow,
+                               entry_record_stream_fn record_stream_slow) noexcept:
+    global malloc_slow_half, free_slow_half, record_stream_slow_half
+    malloc_slow_half = malloc_slow
+    free_slow_half = free_slow
+    record_stream_slow_half = record_stream_slow
+
+
+cdef PyObject* entry_slot(int device) noexcept nogil:
+    return pyalloc_entry_slot_get(device)
+
+
+cdef void set_entry_slot(int device, PyObject* allocator) noexcept nogil:
+    pyalloc_entry_slot_set(device, allocator)
+
+
+cdef int entry_malloc(int device, size_t size, uintptr_t stream, uintptr_t* out) noexcept nogil:
+    cdef PyObject* a
+    out[0] = 0
+    if size == 0:
+        return PYALLOC_OK
+    if 0 <= device < PYALLOC_ENTRY_DEVICES and size < kMaxRequest:
+        a = pyalloc_entry_slot_get(device)
+        if a != NULL and malloc_cache_hit(<DeviceCachingAllocator>a, size, stream, out):
+            return PYALLOC_OK
+    return malloc_slow_half(device, size, stream, out)
+
+
+cdef int entry_free(int device, uintptr_t ptr) noexcept nogil:
+    cdef PyObject* a
+    if ptr == 0:
+        return PYALLOC_OK
+    if 0 <= device < PYALLOC_ENTRY_DEVICES:
+        a = pyalloc_entry_slot_get(device)
+        if a != NULL and free_cache_hit(<DeviceCachingAllocator>a, ptr):
+            return PYALLOC_OK
+    return free_slow_half(device, ptr)
+
+
+cdef int entry_record_stream(int device, uintptr_t ptr, uintptr_t stream) noexcept nogil:
+    cdef PyObject* a
+    if ptr == 0:
+        return PYALLOC_OK
+    if 0 <= device < PYALLOC_ENTRY_DEVICES:
+        a = pyalloc_entry_slot_get(device)
+        if a != NULL and record_stream_cache_hit(<DeviceCachingAllocator>a, ptr, stream):
+            return PYALLOC_OK
+    return record_stream_slow_half(device, ptr, stream)
 
 
 cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint known) except NULL:

@@ -31,7 +31,15 @@
 #define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
-std::atomic<const pyalloc_capi*> bound_table{nullptr};
+// The table, and its malloc and free copied at bind (before the release store of the table), in
+// one cache line: an allocation loads one line of this library's data, not that and the table's
+// (torch's own work between two allocations evicts both).
+struct alignas(64) Bound {
+    std::atomic<const pyalloc_capi*> table{nullptr};
+    std::atomic<int (*)(int, size_t, uintptr_t, uintptr_t*)> malloc{nullptr};
+    std::atomic<int (*)(int, uintptr_t)> free{nullptr};
+};
+Bound bound;
 // Whether a failed allocation throws python_error (1) or a plain std::runtime_error (0, a
 // RuntimeError in Python). pyalloc.torch turns it on only for the torch versions whose
 // python_error it was checked against: a torch whose class had another layout would read the
@@ -56,7 +64,7 @@ struct __attribute__((visibility("default"))) python_error : public std::excepti
     }
     python_error(const python_error&) = delete;
     ~python_error() override {
-        const pyalloc_capi* t = bound_table.load(std::memory_order_acquire);
+        const pyalloc_capi* t = bound.table.load(std::memory_order_acquire);
         if (t != nullptr && (type || value || traceback)) t->release_error(type, value, traceback);
     }
     const char* what() const noexcept override { return message.c_str(); }
@@ -73,7 +81,7 @@ struct __attribute__((visibility("default"))) python_error : public std::excepti
 }
 
 static const pyalloc_capi* table_or_throw() {
-    const pyalloc_capi* t = bound_table.load(std::memory_order_acquire);
+    const pyalloc_capi* t = bound.table.load(std::memory_order_acquire);
     if (t == nullptr)
         throw std::runtime_error(
             "pyalloc: the PyTorch allocator library is not bound to pyalloc; use "
@@ -86,7 +94,9 @@ PYALLOC_EXPORT int pyalloc_torch_bind(const pyalloc_capi* table) {
     if (table == nullptr || table->version != PYALLOC_CAPI_VERSION ||
         table->size < sizeof(pyalloc_capi))
         return -1;
-    bound_table.store(table, std::memory_order_release);
+    bound.malloc.store(table->malloc, std::memory_order_relaxed);
+    bound.free.store(table->free, std::memory_order_relaxed);
+    bound.table.store(table, std::memory_order_release);
     return 0;
 }
 
@@ -98,7 +108,7 @@ PYALLOC_EXPORT void pyalloc_torch_carry_python_errors(int on) {
 
 // Whether pyalloc_torch_bind succeeded (1) or not (0).
 PYALLOC_EXPORT int pyalloc_torch_is_bound(void) {
-    return bound_table.load(std::memory_order_acquire) != nullptr;
+    return bound.table.load(std::memory_order_acquire) != nullptr;
 }
 
 // CUDAPluggableAllocator's alloc: `size` bytes on `device` for `stream` (a cudaStream_t).
@@ -106,8 +116,9 @@ PYALLOC_EXPORT void* pyalloc_torch_malloc(ssize_t size, int device, void* stream
     const pyalloc_capi* t = table_or_throw();
     uintptr_t ptr = 0;
     if (size < 0) throw std::invalid_argument("pyalloc: negative allocation size");
-    if (t->malloc(device, (size_t)size, (uintptr_t)stream, &ptr) != PYALLOC_OK)
-        throw_last_error(t, "allocation failed");
+    int status = bound.malloc.load(std::memory_order_relaxed)(device, (size_t)size,
+                                                              (uintptr_t)stream, &ptr);
+    if (status != PYALLOC_OK) throw_last_error(t, "allocation failed");
     return (void*)ptr;
 }
 
@@ -115,12 +126,12 @@ PYALLOC_EXPORT void* pyalloc_torch_malloc(ssize_t size, int device, void* stream
 PYALLOC_EXPORT void pyalloc_torch_free(void* ptr, ssize_t size, int device, void* stream) {
     (void)size;
     (void)stream;
-    const pyalloc_capi* t = bound_table.load(std::memory_order_acquire);
+    const pyalloc_capi* t = bound.table.load(std::memory_order_acquire);
     if (t == nullptr) {
         std::fprintf(stderr, "pyalloc: free of %p by an unbound PyTorch allocator library\n", ptr);
         return;
     }
-    if (t->free(device, (uintptr_t)ptr) != PYALLOC_OK)
+    if (bound.free.load(std::memory_order_relaxed)(device, (uintptr_t)ptr) != PYALLOC_OK)
         std::fprintf(stderr, "pyalloc: free of %p on device %d failed: %s\n", ptr, device,
                      t->error_message());
 }
