@@ -11,7 +11,11 @@ A third child loads a one-slot cache through the same pluggable path (pyalloc_to
 in libpyalloc_torch.so: no lock, no statistics), so that the cost of PyTorch's pluggable path
 itself is known: pyalloc's own share of an allocation is (pyalloc - one-slot).
 
-Run on the GPU machine:  python bench/bench_torch_hook.py [--rounds 9] [--json out.json]
+With --old DIR (an older pyalloc installed into DIR, e.g. pip install --target DIR), a fourth
+child runs pyalloc from DIR in every round, so that a hot-path change is measured old build
+against new in one run.
+
+Run on the GPU machine:  python bench/bench_torch_hook.py [--rounds 9] [--json out.json] [--old DIR]
 Target (issue 18): pyalloc / native <= 0.8.
 """
 import argparse
@@ -27,7 +31,7 @@ kind, n, repeats, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys
 if cpu >= 0:
     os.sched_setaffinity(0, {cpu})
 import torch
-if kind == "pyalloc":
+if kind in ("pyalloc", "pyalloc-old"):
     import pyalloc.torch as pt
     pt.install()
 elif kind == "one-slot":
@@ -74,6 +78,7 @@ print(json.dumps({"kind": kind, "ns": statistics.median(samples), "slow_path_cal
 """
 
 KINDS = ("native", "pyalloc", "one-slot")
+OLD = "pyalloc-old"
 
 
 def main(argv=None):
@@ -82,27 +87,34 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=20000, help="allocations per timed loop")
     parser.add_argument("--repeats", type=int, default=15, help="timed loops per child")
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--old", metavar="DIR",
+                        help="an older pyalloc installed in DIR, run as a fourth child each round")
     parser.add_argument("--cpu", type=int, default=None,
                         help="CPU every child runs on (default: the last one this process may "
                              "use; -1: no pinning). One CPU for all children keeps the clock and "
                              "caches the same for each allocator")
     args = parser.parse_args(argv)
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
-    per_kind = {k: [] for k in KINDS}
+    kinds = KINDS + ((OLD,) if args.old else ())
+    per_kind = {k: [] for k in kinds}
     slow_path = (None, None)
     direct = []
     for r in range(args.rounds):
-        order = KINDS[r % 3:] + KINDS[:r % 3]
+        order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
         for kind in order:
+            env = dict(os.environ)
+            if kind == OLD:
+                env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.old)]
+                                                    + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
             out = subprocess.run([sys.executable, "-c", CHILD, kind, str(args.n), str(args.repeats),
-                                  str(cpu)],
+                                  str(cpu)], env=env,
                                  capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
             if out.returncode != 0:
                 print(f"{kind} child failed:\n{out.stderr[-3000:]}", file=sys.stderr)
                 return 1
             child = json.loads(out.stdout.strip().splitlines()[-1])
             per_kind[kind].append(child["ns"])
-            if child["slow_path_calls"] is not None:
+            if kind == "pyalloc" and child["slow_path_calls"] is not None:
                 slow_path = (child["slow_path_calls"], child["allocations"])
                 direct.append(child["ctypes_pairs"]["pyalloc_torch"]
                               - child["ctypes_pairs"]["pyalloc_torch_one_slot"])
@@ -118,8 +130,13 @@ def main(argv=None):
         "pyalloc_slow_path_calls": slow_path[0], "pyalloc_allocations": slow_path[1],
         "pyalloc_own_ns_through_ctypes": statistics.median(direct),
     }
+    if args.old:
+        # Per round, new over old (the two children of a round ran back to back on one CPU).
+        result["new_over_old_per_round"] = [n / o for n, o in zip(per_kind["pyalloc"], per_kind[OLD])]
+        result["new_over_old"] = statistics.median(result["new_over_old_per_round"])
+        result["old_over_native"] = med[OLD] / med["native"]
     print(f"torch.empty(1 MiB)+free, median of {args.rounds} rounds (ns): "
-          + ", ".join(f"{k} {med[k]:.0f}" for k in KINDS))
+          + ", ".join(f"{k} {med[k]:.0f}" for k in kinds))
     print(f"pyalloc / native = {result['pyalloc_over_native']:.3f} (target <= 0.8); "
           f"one-slot / native = {result['one_slot_over_native']:.3f}; "
           f"pyalloc's own code: {result['pyalloc_own_ns']:.0f} ns per allocation+free")
@@ -127,6 +144,11 @@ def main(argv=None):
           f"one-slot pair, median of rounds): {result['pyalloc_own_ns_through_ctypes']:.0f} ns")
     print(f"pyalloc child, last round: {slow_path[1]} allocations, of which the C entry points sent "
           f"down the ordinary (GIL) path: {slow_path[0]}")
+    if args.old:
+        print(f"old build ({args.old}) / native = {result['old_over_native']:.3f}; new / old, median "
+              f"of per-round ratios = {result['new_over_old']:.3f}")
+    print("per round (ns): " + "; ".join(f"{k} " + " ".join(f"{v:.0f}" for v in per_kind[k])
+                                        for k in kinds))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
