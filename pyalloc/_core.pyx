@@ -50,6 +50,7 @@ from pyalloc._types cimport (ActiveMap, Block, BlockPool, BlockSet, CaptureUses,
                              ST_REQUESTED_BYTES, ST_INACTIVE_SPLIT, ST_INACTIVE_SPLIT_BYTES,
                              ST_SEGMENT, TR_OOM, TR_SNAPSHOT)
 from pyalloc._types cimport current_thread_key as thread_key_now
+from pyalloc._types cimport likely, unlikely
 from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc,
                               kLargeBuffer, kRoundLarge, kSizeMax, kMaxRequest, round_size, is_small_request,
                               segment_size_for, gc_enabled, get_free_block, take_block,
@@ -1274,7 +1275,7 @@ cdef inline void lock_from_any_thread(DeviceCachingAllocator a) noexcept nogil:
     while it waits: the lock's holder may need the GIL to finish (a slow path running Python, a
     backend call that released it), and waiting for the lock with the GIL would deadlock."""
     cdef PyThreadState* ts
-    if a.mutex.try_lock():
+    if likely(a.mutex.try_lock()):
         return
     if PyGILState_Check():
         ts = PyEval_SaveThread()
@@ -1299,11 +1300,11 @@ cdef inline int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_
     cdef BlockPool* pool = a.small_blocks if is_small_request(rounded) else a.large_blocks
     cdef Block* b
     lock_from_any_thread(a)
-    if needs_python(a):
+    if unlikely(needs_python(a)):
         a.mutex.unlock()
         return 0
     b = get_free_block(&a.st.settings, pool, stream, rounded)
-    if b == NULL:
+    if unlikely(b == NULL):
         if gc_enabled(&a.st.settings):
             pool.get_free_blocks_call_count -= 1     # the ordinary path counts this search
         a.mutex.unlock()
@@ -1320,7 +1321,7 @@ cdef inline int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept
     cdef Block* b
     lock_from_any_thread(a)
     b = a.active_blocks.get(ptr)
-    if b == NULL or not b.allocated or not b.stream_uses.empty() or needs_python(a):
+    if unlikely(b == NULL or not b.allocated or not b.stream_uses.empty() or needs_python(a)):
         a.mutex.unlock()
         return 0
     # allocator_free's branch for a block without stream uses.
@@ -1407,22 +1408,22 @@ cdef void set_entry_slot(int device, PyObject* allocator) noexcept nogil:
 cdef int entry_malloc(int device, size_t size, uintptr_t stream, uintptr_t* out) noexcept nogil:
     cdef PyObject* a
     out[0] = 0
-    if size == 0:
+    if unlikely(size == 0):
         return PYALLOC_OK
-    if 0 <= device < PYALLOC_ENTRY_DEVICES and size < kMaxRequest:
+    if likely(0 <= device < PYALLOC_ENTRY_DEVICES and size < kMaxRequest):
         a = pyalloc_entry_slot_get(device)
-        if a != NULL and malloc_cache_hit(<DeviceCachingAllocator>a, size, stream, out):
+        if likely(a != NULL and malloc_cache_hit(<DeviceCachingAllocator>a, size, stream, out)):
             return PYALLOC_OK
     return malloc_slow_half(device, size, stream, out)
 
 
 cdef int entry_free(int device, uintptr_t ptr) noexcept nogil:
     cdef PyObject* a
-    if ptr == 0:
+    if unlikely(ptr == 0):
         return PYALLOC_OK
-    if 0 <= device < PYALLOC_ENTRY_DEVICES:
+    if likely(0 <= device < PYALLOC_ENTRY_DEVICES):
         a = pyalloc_entry_slot_get(device)
-        if a != NULL and free_cache_hit(<DeviceCachingAllocator>a, ptr):
+        if likely(a != NULL and free_cache_hit(<DeviceCachingAllocator>a, ptr)):
             return PYALLOC_OK
     return free_slow_half(device, ptr)
 

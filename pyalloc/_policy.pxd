@@ -7,7 +7,7 @@ from libc.stdint cimport uintptr_t, int64_t
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref, preincrement as inc
 
-from pyalloc._types cimport (Block, BlockPool, BlockSet, CoreState, Settings, stat_pool,
+from pyalloc._types cimport (Block, BlockPool, BlockSet, CoreState, Settings, stat_pool, unlikely,
                              ST_INACTIVE_SPLIT, ST_INACTIVE_SPLIT_BYTES)
 
 cdef extern from *:
@@ -119,13 +119,13 @@ cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t 
 
     The block stays in its pool: take_block either re-sorts it (split) or removes it.
     """
-    if gc_enabled(s):
+    if unlikely(gc_enabled(s)):
         pool.get_free_blocks_call_count += 1
     cdef BlockSet.iterator it = pool.blocks.lower_bound(stream, size)
-    if it == pool.blocks.end() or deref(it).stream != stream:
+    if unlikely(it == pool.blocks.end() or deref(it).stream != stream):
         return NULL
     cdef BlockSet.iterator after
-    if deref(it).expandable:
+    if unlikely(deref(it).expandable):
         if s.expandable_segments:
             # Best fit by the size a block could grow to: a block followed by unmapped space is
             # the segment's growth frontier, kept for last while another block fits.
@@ -145,11 +145,11 @@ cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t 
     cdef Block* b = deref(it)
     # An oversize block (>= max_split_size) is never carved for a smaller request, and a large
     # request takes one only if the excess stays under max_non_split_rounding_size.
-    if size < s.max_split_size and b.size >= s.max_split_size:
+    if unlikely(size < s.max_split_size and b.size >= s.max_split_size):
         return NULL
     # (b.size >= size: the excess is compared, so a huge max_non_split_rounding_size saturates
     # instead of wrapping size + limit around to a small number.)
-    if size >= s.max_split_size and b.size - size >= s.max_non_split_rounding_size:
+    if unlikely(size >= s.max_split_size and b.size - size >= s.max_non_split_rounding_size):
         return NULL
     return b
 
@@ -157,7 +157,7 @@ cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t 
 cdef inline bint should_split(const Settings* s, Block* b, size_t size) noexcept nogil:
     """Whether handing `size` bytes out of free block `b` leaves a remainder worth keeping."""
     cdef size_t remaining = b.size - size
-    if b.pool.owner != NULL and b.pool.owner.no_split:
+    if unlikely(b.pool.owner != NULL and b.pool.owner.no_split):
         return False
     if b.pool.is_small or s.expandable_segments:
         return remaining >= kMinBlockSize
@@ -171,7 +171,7 @@ cdef inline Block* new_block(CoreState* st, uintptr_t stream, size_t size, Block
     """A Block for [ptr, ptr + size) of `pool`, recycled when one is spare (no operator new on
     the cache-hit path)."""
     cdef Block* b
-    if st.spare_blocks.empty():
+    if unlikely(st.spare_blocks.empty()):
         b = new Block()
     else:
         b = st.spare_blocks.back()

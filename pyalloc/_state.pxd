@@ -2,9 +2,8 @@
 # statistics and writes its trace entry. Inline functions over CoreState, used by _core.pyx (the
 # hot path) and _expandable.pyx (page maps and unmaps), so a statistic cannot drift between them.
 from libc.stdint cimport uintptr_t, int64_t, uint32_t
-from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 
-from pyalloc._types cimport (Block, BlockPool, CoreState, TraceEntry, stat_add, stat_up, stat_down,
+from pyalloc._types cimport (Block, BlockPool, CoreState, trace_record, unlikely, stat_add, stat_up, stat_down,
                              stat_pool, ST_ALLOCATION, ST_SEGMENT, ST_ACTIVE, ST_ALLOCATED_BYTES,
                              ST_RESERVED_BYTES, ST_ACTIVE_BYTES, ST_REQUESTED_BYTES, TR_ALLOC,
                              TR_FREE_REQUESTED, TR_FREE_COMPLETED, TR_SEGMENT_ALLOC,
@@ -12,26 +11,12 @@ from pyalloc._types cimport (Block, BlockPool, CoreState, TraceEntry, stat_add, 
 from pyalloc._policy cimport merge_free_block
 
 
-cdef inline int64_t now_us() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_REALTIME, &ts)
-    return <int64_t>ts.tv_sec * 1000000 + ts.tv_nsec // 1000
-
-
 cdef inline void trace(CoreState* st, int action, uintptr_t addr, size_t size, uintptr_t stream,
                        uint32_t context_id) noexcept nogil:
-    """Append a trace entry to the history ring when history is on and `action` is not skipped."""
-    if not st.history_on or (st.skip_actions_mask >> action) & 1:
-        return
-    cdef TraceEntry e
-    e.action = action
-    e.addr = addr
-    e.size = size
-    e.stream = stream
-    e.time_us = now_us()
-    e.metadata_id = st.metadata_now()
-    e.context_id = context_id
-    st.history.push(e)
+    """Append a trace entry to the history ring when history is on and `action` is not skipped
+    (the append itself is out of line: the hot path keeps only this test)."""
+    if unlikely(st.history_on) and not (st.skip_actions_mask >> action) & 1:
+        trace_record(st, action, addr, size, stream, context_id)
 
 
 cdef inline int pool_slot(BlockPool* pool) noexcept nogil:
@@ -52,9 +37,9 @@ cdef inline void commit_alloc(CoreState* st, Block* b, size_t orig_size, uint32_
     stat_up(&st.stats[ST_ACTIVE], slot, 1)
     stat_up(&st.stats[ST_ACTIVE_BYTES], slot, <int64_t>b.size)
     stat_up(&st.stats[ST_REQUESTED_BYTES], slot, <int64_t>orig_size)
-    if b.size >= st.settings.max_split_size:
+    if unlikely(b.size >= st.settings.max_split_size):
         stat_add(&st.oversize_allocations, 1)
-    if st.history_on:
+    if unlikely(st.history_on):
         trace(st, TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
 
 
@@ -65,17 +50,17 @@ cdef inline void commit_free_requested(CoreState* st, Block* b, uint32_t context
     cdef int slot = pool_slot(b.pool)
     stat_down(&st.stats[ST_ALLOCATION], slot, 1)
     stat_down(&st.stats[ST_ALLOCATED_BYTES], slot, <int64_t>b.size)
-    if st.history_on:
+    if unlikely(st.history_on):
         trace(st, TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream,
               context_id if context_id else b.context_id)
-    if b.size >= st.settings.max_split_size:
+    if unlikely(b.size >= st.settings.max_split_size):
         stat_add(&st.oversize_allocations, -1)
 
 
 cdef inline Block* commit_free_completed(CoreState* st, Block* b, uint32_t context_id) noexcept nogil:
     """Every use of `b` is over: it returns to its pool, merged with free neighbours (the block
     holding the merged range is returned). The caller has taken it out of the active map."""
-    if st.history_on:
+    if unlikely(st.history_on):
         trace(st, TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream,
               context_id if context_id else b.context_id)
     cdef int slot = pool_slot(b.pool)

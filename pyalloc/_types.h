@@ -22,6 +22,7 @@
 #include <mutex>
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -30,6 +31,13 @@
 #include <vector>
 
 namespace pyalloc {
+
+// Code the cache-hit path calls only in rare cases (a lock taken by another thread, a table that
+// must grow, history on, no spare object): kept out of line and away from the hot code, so that
+// the hot path's instructions sit in few cache lines. Inside a framework's own work the hot path
+// runs with cold instruction caches, where every line it spans is a fetch from L2 or beyond.
+#define PYALLOC_COLD __attribute__((noinline, cold))
+#define PYALLOC_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
 struct Block;
 struct BlockPool;
@@ -150,12 +158,13 @@ struct BlockSet {
     }
 
     void insert(Block* b) {
-        if (spare_nodes.empty()) { b->pool_pos = items.insert(entry_of(b)).first; return; }
+        if (PYALLOC_UNLIKELY(spare_nodes.empty())) { insert_new_node(b); return; }
         Set::node_type node = std::move(spare_nodes.back());
         spare_nodes.pop_back();
         node.value() = entry_of(b);
         b->pool_pos = items.insert(std::move(node)).position;
     }
+    PYALLOC_COLD void insert_new_node(Block* b) { b->pool_pos = items.insert(entry_of(b)).first; }
     void erase(Block* b) { spare_nodes.push_back(items.extract(b->pool_pos)); }
     // Erases the block at `it` and returns the position after it (for loops that release blocks).
     iterator erase_at(iterator it) {
@@ -222,12 +231,12 @@ struct AllocatorLock {
     bool held() const { return owner.load(std::memory_order_relaxed) != 0; }   // by any thread
     bool try_lock() {
         uintptr_t me = self();
-        if (owner.load(std::memory_order_relaxed) == me) { ++depth; return true; }
+        if (PYALLOC_UNLIKELY(owner.load(std::memory_order_relaxed) == me)) { ++depth; return true; }
         uintptr_t expected = 0;
         if (owner.compare_exchange_strong(expected, me)) { depth = 1; return true; }
         return false;
     }
-    void lock() {
+    PYALLOC_COLD void lock() {
         for (int i = 0; i < 100; ++i) {
             if (try_lock()) return;
             sched_yield();
@@ -240,16 +249,17 @@ struct AllocatorLock {
         waiters.fetch_sub(1);
     }
     void unlock() {
-        if (--depth != 0) return;
+        if (PYALLOC_UNLIKELY(--depth != 0)) return;
         // A release store: on x86 a plain move, where a sequentially consistent store is a locked
         // exchange (~20 cycles, twice per malloc/free pair). The waiters load below may then be
         // ordered before the store and miss a waiter registering at that moment; that waiter
         // wakes on its own within 1 ms (lock() waits with a timeout).
         owner.store(0, std::memory_order_release);
-        if (waiters.load(std::memory_order_relaxed) != 0) {
-            std::lock_guard<std::mutex> guard(sleep_mutex);
-            wake.notify_all();
-        }
+        if (PYALLOC_UNLIKELY(waiters.load(std::memory_order_relaxed) != 0)) wake_waiters();
+    }
+    PYALLOC_COLD void wake_waiters() {
+        std::lock_guard<std::mutex> guard(sleep_mutex);
+        wake.notify_all();
     }
 };
 
@@ -281,7 +291,7 @@ struct ActiveMap {
         }
     }
     void insert(uintptr_t key, Block* value) {
-        if ((count + 1) * 2 > slots.size()) grow();
+        if (PYALLOC_UNLIKELY((count + 1) * 2 > slots.size())) grow();
         size_t i = home(key);
         while (slots[i].key != 0 && slots[i].key != key) i = (i + 1) & mask;
         if (slots[i].key == 0) ++count;
@@ -308,7 +318,7 @@ struct ActiveMap {
     void values(std::vector<Block*>* out) const {
         for (const Slot& s : slots) if (s.key != 0) out->push_back(s.value);
     }
-    void grow() {
+    PYALLOC_COLD void grow() {
         std::vector<Slot> old;
         old.swap(slots);
         resize(old.size() * 2);
@@ -534,6 +544,23 @@ struct CoreState {
     CoreState& operator=(const CoreState&) = delete;
     ~CoreState() { delete[] stats; }
 };
+
+// Appends one trace entry to the history ring (the caller checked history_on and the action's
+// skip bit): out of line, see PYALLOC_COLD. Times are wall-clock microseconds.
+PYALLOC_COLD inline void trace_record(CoreState* st, int32_t action, uintptr_t addr, size_t size,
+                                      uintptr_t stream, uint32_t context_id) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    TraceEntry e;
+    e.action = action;
+    e.addr = addr;
+    e.size = size;
+    e.stream = stream;
+    e.time_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+    e.metadata_id = st->metadata_now();
+    e.context_id = context_id;
+    st->history.push(e);
+}
 
 // The calling thread's key for ROUTE_THREAD filters (the lock's owner id: unique among live threads).
 inline uint64_t current_thread_key() { return (uint64_t)AllocatorLock::self(); }

@@ -206,6 +206,9 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         uint32_t skip_actions_mask
         uint32_t (*metadata_now)() noexcept nogil
 
+    # Appends a trace entry (the caller checked history_on and the skip mask); out of line.
+    void trace_record(CoreState* st, int32_t action, uintptr_t addr, size_t size, uintptr_t stream,
+                      uint32_t context_id)
     uint64_t current_thread_key()
 
 
@@ -234,3 +237,10 @@ cdef enum:
     TR_SEGMENT_UNMAP
     TR_SNAPSHOT
     TR_OOM
+
+
+# Branch hints (the macros of Cython's generated code): the cache-hit path marks its rare cases,
+# so that the compiler lays the common case out as straight-line code in few cache lines.
+cdef extern from *:
+    bint likely(bint) nogil
+    bint unlikely(bint) nogil
