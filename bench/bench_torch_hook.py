@@ -4,8 +4,9 @@ caching allocator, in one run on a GPU.
 PyTorch takes its allocator once per process, so each allocator runs in its own child process;
 the parent starts one child per allocator per round, in an order that rotates from round to
 round, and reports the median over rounds of each child's median time per allocation+free
-(a loop of `torch.empty(1 MiB, uint8, cuda)` whose result is dropped at once). Every child runs
-pinned to the same CPU (--cpu), so that the comparison is not one between cores.
+(a loop of `torch.empty(1 MiB, uint8, cuda)` whose result is dropped at once). In every child the
+measuring thread runs pinned to the same CPU (--cpu), so that the comparison is not one between
+cores; it is pinned after CUDA's initialisation, so the driver's threads run on other CPUs.
 
 A third child loads a one-slot cache through the same pluggable path (pyalloc_torch_one_slot_*
 in libpyalloc_torch.so: no lock, no statistics), so that the cost of PyTorch's pluggable path
@@ -28,8 +29,6 @@ import sys
 CHILD = r"""
 import json, os, statistics, sys, time
 kind, n, repeats, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-if cpu >= 0:
-    os.sched_setaffinity(0, {cpu})
 import torch
 if kind in ("pyalloc", "pyalloc-old"):
     import pyalloc.torch as pt
@@ -45,6 +44,10 @@ dev = torch.device("cuda", 0)
 for _ in range(2000):
     empty(size, dtype=u8, device=dev)
 torch.cuda.synchronize()
+if cpu >= 0:
+    # This thread only, after CUDA's initialisation: the driver's own threads (started with the
+    # context) keep running elsewhere instead of sharing the measured thread's CPU.
+    os.sched_setaffinity(0, {cpu})
 samples = []
 for _ in range(repeats):
     t0 = time.perf_counter_ns()
