@@ -1,20 +1,24 @@
-"""torch.empty(1 MiB) + its free: through pyalloc (pyalloc.torch.install) against PyTorch's native
-caching allocator, in one run on a GPU.
+"""torch.empty(1 MiB) + its free: through pyalloc (PyTorch's pluggable allocator path) against
+PyTorch's native caching allocator, in one run on a GPU.
 
-PyTorch takes its allocator once per process, so each allocator runs in its own child process;
-the parent starts one child per allocator per round, in an order that rotates from round to
-round, and reports the median over rounds of each child's median time per allocation+free
-(a loop of `torch.empty(1 MiB, uint8, cuda)` whose result is dropped at once). In every child the
-measuring thread runs pinned to the same CPU (--cpu), so that the comparison is not one between
-cores; it is pinned after CUDA's initialisation, so the driver's threads run on other CPUs.
+PyTorch takes its allocator once per process, so native and pyalloc run in separate child
+processes; the parent starts one child of each kind per round, in an order that rotates from
+round to round. A child times loops of `torch.empty(1 MiB, uint8, cuda)` whose result is dropped
+at once (ns per allocation + free).
 
-A third child loads a one-slot cache through the same pluggable path (pyalloc_torch_one_slot_*
-in libpyalloc_torch.so: no lock, no statistics), so that the cost of PyTorch's pluggable path
-itself is known: pyalloc's own share of an allocation is (pyalloc - one-slot).
+The pyalloc child installs libpyalloc_torch's benchmark pair (pyalloc_torch_bench_malloc/free)
+and alternates, loop by loop, between pyalloc and a one-slot cache loaded through the same
+pluggable path (no lock, no statistics: the floor of PyTorch's pluggable path itself). So
+pyalloc's own share of an allocation, pyalloc - one-slot, is measured interleaved within one
+process: separate processes differ by more than that share.
 
-With --old DIR (an older pyalloc installed into DIR, e.g. pip install --target DIR), a fourth
-child runs pyalloc from DIR in every round, so that a hot-path change is measured old build
-against new in one run.
+In every child the measuring thread is pinned to the same CPU (--cpu) after CUDA's
+initialisation, so that the comparison is not one between cores and the driver's threads run
+elsewhere.
+
+With --old DIR (an older pyalloc installed into DIR, e.g. pip install --target DIR), a third child
+runs that build through pyalloc.torch.install() in every round, so that a hot-path change is
+measured old build against new in one run.
 
 Run on the GPU machine:  python bench/bench_torch_hook.py [--rounds 9] [--json out.json] [--old DIR]
 Target (issue 18): pyalloc / native <= 0.8.
@@ -30,128 +34,137 @@ CHILD = r"""
 import json, os, statistics, sys, time
 kind, n, repeats, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 import torch
-if kind in ("pyalloc", "pyalloc-old"):
+select = None
+if kind == "pyalloc":
+    import ctypes
+    import pyalloc.torch as pt
+    lib = pt.library()                      # loaded and bound to pyalloc's table
+    lib.pyalloc_torch_bench_select.argtypes = (ctypes.c_int,)
+    select = lib.pyalloc_torch_bench_select
+    torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(
+        pt.library_path(), "pyalloc_torch_bench_malloc", "pyalloc_torch_bench_free"))
+elif kind == "pyalloc-old":
     import pyalloc.torch as pt
     pt.install()
-elif kind == "one-slot":
-    import pyalloc.torch as pt
-    pt.library()
-    torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(
-        pt.library_path(), "pyalloc_torch_one_slot_malloc", "pyalloc_torch_one_slot_free"))
 size = 1 << 20
 empty, u8 = torch.empty, torch.uint8
 dev = torch.device("cuda", 0)
-for _ in range(2000):
-    empty(size, dtype=u8, device=dev)
+for mode in (1, 0):
+    if select is not None:
+        select(mode)
+    for _ in range(2000):
+        empty(size, dtype=u8, device=dev)
 torch.cuda.synchronize()
 if cpu >= 0:
     # This thread only, after CUDA's initialisation: the driver's own threads (started with the
     # context) keep running elsewhere instead of sharing the measured thread's CPU.
     os.sched_setaffinity(0, {cpu})
-samples = []
-for _ in range(repeats):
+
+def loop():
     t0 = time.perf_counter_ns()
     for _ in range(n):
         empty(size, dtype=u8, device=dev)
-    samples.append((time.perf_counter_ns() - t0) / n)
-slow = direct = None
-if kind == "pyalloc":
+    return (time.perf_counter_ns() - t0) / n
+
+out = {"kind": kind}
+if select is None:
+    out["ns"] = statistics.median(loop() for _ in range(repeats))
+else:
     from pyalloc import _capi
-    slow = _capi.slow_path_calls()     # cache hits should leave these near the warm-up's misses
-    # The library's two pairs called straight through ctypes in this process, interleaved:
-    # pyalloc's own part without PyTorch around it (ctypes' cost is in both).
-    import ctypes
-    lib = pt.library()
-    fns = {}
-    for name in ("pyalloc_torch", "pyalloc_torch_one_slot"):
-        m, f = getattr(lib, name + "_malloc"), getattr(lib, name + "_free")
-        m.argtypes, m.restype = (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
-        f.argtypes, f.restype = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p), None
-        fns[name] = (m, f)
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, (m, f) in fns.items():
-            t0 = time.perf_counter_ns()
-            for _ in range(n // 4):
-                f(m(size, 0, None), size, 0, None)
-            times[name].append((time.perf_counter_ns() - t0) / (n // 4))
-    direct = {name: statistics.median(v) for name, v in times.items()}
-print(json.dumps({"kind": kind, "ns": statistics.median(samples), "slow_path_calls": slow,
-                  "allocations": 2000 + n * repeats, "ctypes_pairs": direct}))
+    before = _capi.slow_path_calls()["malloc"]
+    times = {0: [], 1: []}
+    for r in range(repeats):
+        for mode in ((0, 1) if r % 2 == 0 else (1, 0)):
+            select(mode)
+            times[mode].append(loop())
+    select(0)
+    out["ns"] = statistics.median(times[0])
+    out["one_slot_ns"] = statistics.median(times[1])
+    out["share_ns"] = statistics.median(a - b for a, b in zip(times[0], times[1]))
+    # Cache hits should send nothing down the ordinary path once warm: the timed loops' count.
+    out["slow_path_mallocs"] = _capi.slow_path_calls()["malloc"] - before
+    out["pyalloc_allocations"] = n * repeats
+print(json.dumps(out))
 """
 
-KINDS = ("native", "pyalloc", "one-slot")
 OLD = "pyalloc-old"
+
+
+def run_child(kind, args, cpu):
+    env = dict(os.environ)
+    if kind == OLD:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(args.old)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, str(args.n), str(args.repeats), str(cpu)],
+                         env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    if out.returncode != 0:
+        raise RuntimeError(f"{kind} child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--n", type=int, default=20000, help="allocations per timed loop")
-    parser.add_argument("--repeats", type=int, default=15, help="timed loops per child")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="timed loops per child (the pyalloc child: of each of its two modes)")
     parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--old", metavar="DIR",
-                        help="an older pyalloc installed in DIR, run as a fourth child each round")
+                        help="an older pyalloc installed in DIR, run as a third child each round")
     parser.add_argument("--cpu", type=int, default=None,
-                        help="CPU every child runs on (default: the last one this process may "
-                             "use; -1: no pinning). One CPU for all children keeps the clock and "
-                             "caches the same for each allocator")
+                        help="CPU every child's measuring thread runs on (default: the last one "
+                             "this process may use; -1: no pinning)")
     args = parser.parse_args(argv)
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
-    kinds = KINDS + ((OLD,) if args.old else ())
-    per_kind = {k: [] for k in kinds}
-    slow_path = (None, None)
-    direct = []
+    kinds = ("native", "pyalloc") + ((OLD,) if args.old else ())
+    rounds = []
     for r in range(args.rounds):
         order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
-        for kind in order:
-            env = dict(os.environ)
-            if kind == OLD:
-                env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.old)]
-                                                    + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-            out = subprocess.run([sys.executable, "-c", CHILD, kind, str(args.n), str(args.repeats),
-                                  str(cpu)], env=env,
-                                 capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-            if out.returncode != 0:
-                print(f"{kind} child failed:\n{out.stderr[-3000:]}", file=sys.stderr)
-                return 1
-            child = json.loads(out.stdout.strip().splitlines()[-1])
-            per_kind[kind].append(child["ns"])
-            if kind == "pyalloc" and child["slow_path_calls"] is not None:
-                slow_path = (child["slow_path_calls"], child["allocations"])
-                direct.append(child["ctypes_pairs"]["pyalloc_torch"]
-                              - child["ctypes_pairs"]["pyalloc_torch_one_slot"])
-    med = {k: statistics.median(v) for k, v in per_kind.items()}
+        try:
+            rounds.append({kind: run_child(kind, args, cpu) for kind in order})
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    native = [r["native"]["ns"] for r in rounds]
+    pyalloc = [r["pyalloc"]["ns"] for r in rounds]
+    one_slot = [r["pyalloc"]["one_slot_ns"] for r in rounds]
+    share = [r["pyalloc"]["share_ns"] for r in rounds]
+    med = statistics.median
     result = {
-        "ns_per_alloc_free": med,
-        "rounds": args.rounds,
-        "cpu": cpu,
-        "pyalloc_over_native": med["pyalloc"] / med["native"],
-        "one_slot_over_native": med["one-slot"] / med["native"],
-        "pyalloc_own_ns": med["pyalloc"] - med["one-slot"],
-        "per_round": per_kind,
-        "pyalloc_slow_path_calls": slow_path[0], "pyalloc_allocations": slow_path[1],
-        "pyalloc_own_ns_through_ctypes": statistics.median(direct),
+        "rounds": args.rounds, "cpu": cpu,
+        "ns_per_alloc_free": {"native": med(native), "pyalloc": med(pyalloc), "one-slot": med(one_slot)},
+        # Per round: the pyalloc and native children ran back to back on one CPU.
+        "pyalloc_over_native": med(p / q for p, q in zip(pyalloc, native)),
+        "one_slot_over_native": med(o / q for o, q in zip(one_slot, native)),
+        "pyalloc_own_ns": med(share),
+        "pyalloc_own_over_native": med(s / q for s, q in zip(share, native)),
+        "slow_path_mallocs": [r["pyalloc"]["slow_path_mallocs"] for r in rounds],
+        "pyalloc_allocations_per_child": rounds[0]["pyalloc"]["pyalloc_allocations"],
+        "per_round": rounds,
     }
     if args.old:
-        # Per round, new over old (the two children of a round ran back to back on one CPU).
-        result["new_over_old_per_round"] = [n / o for n, o in zip(per_kind["pyalloc"], per_kind[OLD])]
-        result["new_over_old"] = statistics.median(result["new_over_old_per_round"])
-        result["old_over_native"] = med[OLD] / med["native"]
+        old = [r[OLD]["ns"] for r in rounds]
+        result["ns_per_alloc_free"][OLD] = med(old)
+        result["old_over_native"] = med(o / q for o, q in zip(old, native))
+        result["new_over_old"] = med(p / o for p, o in zip(pyalloc, old))
+    figures = result["ns_per_alloc_free"]
     print(f"torch.empty(1 MiB)+free, median of {args.rounds} rounds (ns): "
-          + ", ".join(f"{k} {med[k]:.0f}" for k in kinds))
+          + ", ".join(f"{k} {v:.0f}" for k, v in figures.items()))
     print(f"pyalloc / native = {result['pyalloc_over_native']:.3f} (target <= 0.8); "
-          f"one-slot / native = {result['one_slot_over_native']:.3f}; "
-          f"pyalloc's own code: {result['pyalloc_own_ns']:.0f} ns per allocation+free")
-    print(f"pyalloc's own code called through ctypes in the pyalloc child (its pair minus the "
-          f"one-slot pair, median of rounds): {result['pyalloc_own_ns_through_ctypes']:.0f} ns")
-    print(f"pyalloc child, last round: {slow_path[1]} allocations, of which the C entry points sent "
-          f"down the ordinary (GIL) path: {slow_path[0]}")
+          f"one-slot / native = {result['one_slot_over_native']:.3f} (median of per-round ratios)")
+    print(f"pyalloc's own code (pyalloc - one-slot, interleaved in one process): "
+          f"{result['pyalloc_own_ns']:.0f} ns per allocation+free, "
+          f"{result['pyalloc_own_over_native']:.3f} of native")
+    print(f"timed mallocs sent down the ordinary (GIL) path, per child: {result['slow_path_mallocs']} "
+          f"of {result['pyalloc_allocations_per_child']}")
     if args.old:
-        print(f"old build ({args.old}) / native = {result['old_over_native']:.3f}; new / old, median "
-              f"of per-round ratios = {result['new_over_old']:.3f}")
-    print("per round (ns): " + "; ".join(f"{k} " + " ".join(f"{v:.0f}" for v in per_kind[k])
-                                        for k in kinds))
+        print(f"old build ({args.old}) / native = {result['old_over_native']:.3f}; new / old = "
+              f"{result['new_over_old']:.3f} (medians of per-round ratios)")
+    print("per round (ns): " + "; ".join(
+        f"{k} " + " ".join(f"{r[k]['ns']:.0f}" for r in rounds) for k in kinds)
+        + "; one-slot " + " ".join(f"{v:.0f}" for v in one_slot)
+        + "; share " + " ".join(f"{v:.0f}" for v in share))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -175,3 +175,35 @@ PYALLOC_EXPORT void pyalloc_torch_one_slot_free(void* ptr, ssize_t size, int dev
     }
     pyalloc_torch_free(ptr, size, device, stream);
 }
+
+// The benchmark's switch between the two pairs above within one process: bench/bench_torch_hook.py
+// installs pyalloc_torch_bench_malloc/free as the pluggable allocator and selects pyalloc or the
+// one-slot floor between timed loops, so that pyalloc's share is measured interleaved in one
+// process (times of separate processes differ by more than that share). Selecting pyalloc gives
+// the slot's block back, so that pyalloc's pools are as in a process without the floor. Not for
+// use: one thread, switched only while no allocation made through it is live.
+namespace {
+std::atomic<int> bench_one_slot{0};
+}
+
+PYALLOC_EXPORT void pyalloc_torch_bench_select(int one_slot) {
+    bench_one_slot.store(one_slot ? 1 : 0, std::memory_order_relaxed);
+    if (!one_slot && one_slot_ptr != nullptr) {
+        void* p = one_slot_ptr;
+        one_slot_ptr = nullptr;
+        pyalloc_torch_free(p, one_slot_size, 0, nullptr);
+    }
+}
+
+PYALLOC_EXPORT void* pyalloc_torch_bench_malloc(ssize_t size, int device, void* stream) {
+    if (bench_one_slot.load(std::memory_order_relaxed))
+        return pyalloc_torch_one_slot_malloc(size, device, stream);
+    return pyalloc_torch_malloc(size, device, stream);
+}
+
+PYALLOC_EXPORT void pyalloc_torch_bench_free(void* ptr, ssize_t size, int device, void* stream) {
+    if (bench_one_slot.load(std::memory_order_relaxed))
+        pyalloc_torch_one_slot_free(ptr, size, device, stream);
+    else
+        pyalloc_torch_free(ptr, size, device, stream);
+}

@@ -289,6 +289,39 @@ def test_torch_library_allocates_for_the_given_device_and_stream(sim_defaults):
     assert pyalloc.memory_allocated(1) == 0
 
 
+def bench_pair(lib):
+    m, f = lib.pyalloc_torch_bench_malloc, lib.pyalloc_torch_bench_free
+    m.restype, m.argtypes = ctypes.c_void_p, (ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+    f.restype, f.argtypes = None, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+    lib.pyalloc_torch_bench_select.argtypes = (ctypes.c_int,)
+    return m, f
+
+
+def test_torch_library_bench_pair_in_one_slot_mode_keeps_the_freed_block(sim_defaults):
+    lib = torch_library()
+    m, f = bench_pair(lib)
+    lib.pyalloc_torch_bench_select(1)
+    try:
+        ptr = m(MiB, 0, None)
+        f(ptr, MiB, 0, None)
+        assert pyalloc.memory_allocated(0) == MiB          # held in the slot, not given back
+        assert m(MiB, 0, None) == ptr                       # and handed out again from there
+        f(ptr, MiB, 0, None)
+    finally:
+        lib.pyalloc_torch_bench_select(0)
+    assert pyalloc.memory_allocated(0) == 0                 # selecting pyalloc gave it back
+
+
+def test_torch_library_bench_pair_in_pyalloc_mode_is_pyallocs_pair(sim_defaults):
+    lib = torch_library()
+    m, f = bench_pair(lib)
+    lib.pyalloc_torch_bench_select(0)
+    ptr = m(MiB, 0, None)
+    assert pyalloc.memory_allocated(0) == MiB
+    f(ptr, MiB, 0, None)
+    assert pyalloc.memory_allocated(0) == 0
+
+
 def test_torch_library_failed_free_is_reported_on_stderr(sim_defaults):
     code = textwrap.dedent("""
         import ctypes, pyalloc, pyalloc.torch as pt
