@@ -32,7 +32,10 @@ import sys
 
 CHILD = r"""
 import json, os, statistics, sys, time
-kind, n, repeats, cpu = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+kind, n, repeats, cpu, pin_early = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
+                                    int(sys.argv[4]), sys.argv[5] == "1")
+if cpu >= 0 and pin_early:
+    os.sched_setaffinity(0, {cpu})          # every thread, the driver's included
 import torch
 select = None
 if kind == "pyalloc":
@@ -55,7 +58,7 @@ for mode in (1, 0):
     for _ in range(2000):
         empty(size, dtype=u8, device=dev)
 torch.cuda.synchronize()
-if cpu >= 0:
+if cpu >= 0 and not pin_early:
     # This thread only, after CUDA's initialisation: the driver's own threads (started with the
     # context) keep running elsewhere instead of sharing the measured thread's CPU.
     os.sched_setaffinity(0, {cpu})
@@ -95,7 +98,8 @@ def run_child(kind, args, cpu):
     if kind == OLD:
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.abspath(args.old)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    out = subprocess.run([sys.executable, "-c", CHILD, kind, str(args.n), str(args.repeats), str(cpu)],
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, str(args.n), str(args.repeats), str(cpu),
+                          "1" if args.pin_early else "0"],
                          env=env, capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     if out.returncode != 0:
@@ -115,6 +119,8 @@ def main(argv=None):
     parser.add_argument("--cpu", type=int, default=None,
                         help="CPU every child's measuring thread runs on (default: the last one "
                              "this process may use; -1: no pinning)")
+    parser.add_argument("--pin-early", action="store_true",
+                        help="pin the whole child, CUDA driver threads included, before torch starts")
     args = parser.parse_args(argv)
     cpu = args.cpu if args.cpu is not None else max(os.sched_getaffinity(0))
     kinds = ("native", "pyalloc") + ((OLD,) if args.old else ())
