@@ -1,0 +1,27 @@
+"""The measuring tools of bench/ that notes and the README cite keep working (CPU only)."""
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
+                    reason="the cold-cache harness uses x86-64 Linux (rdtscp, dlopen)")
+@pytest.mark.skipif(not sysconfig.get_config_var("Py_ENABLE_SHARED"),
+                    reason="the harness embeds a shared libpython, which this Python lacks")
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="the harness is compiled with a C compiler")
+def test_cold_entry_pair_times_the_installed_build():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "cold_entry_pair.py"), "--rounds", "1",
+                          "--pairs", "20", "--pollute-kib", "64", "."],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    match = re.search(r"^\.: cold pair ([\d.]+) ns .* / \.: 1\.000", out.stdout, re.M)
+    assert match and 0 < float(match.group(1)) < 1e6, out.stdout
