@@ -25,3 +25,17 @@ def test_cold_entry_pair_times_the_installed_build():
     assert out.returncode == 0, out.stderr[-2000:]
     match = re.search(r"^\.: cold pair ([\d.]+) ns .* / \.: 1\.000", out.stdout, re.M)
     assert match and 0 < float(match.group(1)) < 1e6, out.stdout
+
+
+def test_torch_hook_figures_of_a_saved_run_separate_slow_children():
+    # A saved H200 run (bench/results): native's children 2, 4, 5, 6, 8, 9 ran at about twice the
+    # time of the others; the fast-children figures leave them out.
+    saved = os.path.join(BENCH, "results", "torch_hook_h200_2026-12-01_a.json")
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_torch_hook.py"), "--from-json", saved],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fast = re.search(r"fast children only .*native 3 of 9, pyalloc 7 of 9.*: native (\d+) ns, "
+                     r"pyalloc (\d+) ns.* one-slot (\d+) ns", out.stdout)
+    assert fast, out.stdout
+    native, pyalloc, one_slot = map(int, fast.groups())
+    assert (native, pyalloc, one_slot) == (1955, 1667, 1582)      # medians of the fast children
