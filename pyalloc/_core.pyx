@@ -1258,10 +1258,11 @@ cdef inline int release_pointer_in_dealloc(DeviceCachingAllocator a, uintptr_t p
 
 # ------------------------------------------------------------------------------- C callers' cache hits
 #
-# The cache-hit path again, for callers on any thread that may not hold the GIL (pyalloc._capi's
-# entry points, which PyTorch calls from autograd and data-loader threads). Each function serves
-# only what needs no Python and no backend call; anything else answers "not served" with nothing
-# changed, and the caller takes the GIL (without this lock) and runs the ordinary path above.
+# The cache-hit path again, for callers on any thread that may not hold the GIL (the C entry
+# points below, which pyalloc._capi's table points at and PyTorch calls from autograd and
+# data-loader threads). Each function serves only what needs no Python and no backend call;
+# anything else answers "not served" with nothing changed, and the caller takes the GIL (without
+# this lock) and runs the ordinary path above.
 
 cdef extern from "Python.h":
     ctypedef struct PyThreadState
