@@ -4,8 +4,8 @@ without the GIL on a simulated device, after evicting caches (bench/cold_entry_p
 
 Inside torch.empty the pair runs with the caches cold (PyTorch's own work between allocations
 evicts pyalloc's code and data): 35 ns for the pair in a hot loop (--hot) on the development
-machine against 86 - 106 ns inside PyTorch on the H200. Its cost there follows the cache lines it touches, which this
-measures in two ways:
+machine against 86 - 106 ns inside PyTorch on the H200. Its cost there follows the cache lines
+it touches, which this measures in two ways:
 
   time (default)  rounds of one child process per build, alternating; each times --pairs pairs,
                   each after reading --pollute-kib of a buffer and running 100 KB of code;
