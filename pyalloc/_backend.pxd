@@ -20,6 +20,9 @@ cdef enum:
 cdef class Backend:
     cdef readonly int device          # device ordinal this backend serves
     cdef readonly str kind            # "sim" or "cuda"
+    # A reuse sanitizer (SimDevice(check_reuse=True)): when set at the allocator's construction, the
+    # core calls check_handout for every block it hands out, and C callers take the ordinary path.
+    cdef readonly bint checks_reuse
 
     # Device memory segments (cudaMalloc / cudaFree).
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1
@@ -70,6 +73,14 @@ cdef class Backend:
                           vector[uintptr_t]* terminals) except -1
     # The nodes a node of a capturing graph depends on (cuGraphNodeGetDependencies).
     cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1
+
+    # Streams: 1 when `stream` may be used (record_stream refuses a stream the backend knows is
+    # destroyed), 0 when it is known to be destroyed. A backend that cannot tell answers 1.
+    cdef int stream_alive(self, uintptr_t stream) except -1
+    # The sanitizer's check (only called when checks_reuse): raise when the `nbytes` bytes at `ptr`,
+    # handed out for work on `stream`, may still be used by queued or captured work that is not
+    # ordered before that stream's next work.
+    cdef int check_handout(self, uintptr_t ptr, size_t nbytes, uintptr_t stream) except -1
 
 
 cdef enum:

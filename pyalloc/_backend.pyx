@@ -120,5 +120,11 @@ cdef class Backend:
         self.node_dependencies(node, &parents)
         return list(parents)
 
+    cdef int stream_alive(self, uintptr_t stream) except -1:
+        return 1
+
+    cdef int check_handout(self, uintptr_t ptr, size_t nbytes, uintptr_t stream) except -1:
+        return 0
+
 
 CAPTURE_MODES = ("global", "thread_local", "relaxed")     # by CAPTURE_* value

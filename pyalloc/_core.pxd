@@ -34,6 +34,7 @@ cdef class DeviceCachingAllocator:
     cdef int capture_routes                           # routes of kind ROUTE_CAPTURE active
     cdef public bint capture_alloc_stacks              # set by the snapshot layer
     cdef public bint capture_free_stacks               # also capture the stack of each free()
+    cdef readonly bint reuse_checked                   # the backend's reuse sanitizer is on
     cdef AllocatorLock mutex
     cdef CoreState st                                 # settings, statistics, history, spares
     cdef readonly Backend backend

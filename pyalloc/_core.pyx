@@ -309,6 +309,7 @@ cdef class DeviceCachingAllocator:
 
     def __init__(self, Backend backend not None):
         self.backend = backend
+        self.reuse_checked = backend.checks_reuse
 
     def __dealloc__(self):
         # Segments still held are not returned: the backend may be gone at interpreter exit, and
@@ -1169,10 +1170,16 @@ cdef inline int allocator_malloc(DeviceCachingAllocator a, size_t orig_size, uin
         if a.capture_routes and a.st.settings.graph_reuse and not a.deferred_blocks.empty():
             free_safe_blocks_in_capture(a, stream, pool, size)
     cdef Block* b = get_free_block(&a.st.settings, pool, stream, size)
+    cdef int rc = 0
     if b == NULL:
-        return malloc_slow(a, pool, orig_size, size, stream, context_id, out)
-    out[0] = hand_out(a, take_block(&a.st, b, True, size), orig_size, context_id)
-    return 0
+        rc = malloc_slow(a, pool, orig_size, size, stream, context_id, out)
+    else:
+        out[0] = hand_out(a, take_block(&a.st, b, True, size), orig_size, context_id)
+    if unlikely(a.reuse_checked) and rc == 0:
+        # The sanitizer raises when the block may still be in use (the block stays handed out,
+        # for the test that found it to look at).
+        a.backend.check_handout(out[0].ptr, out[0].size, stream)
+    return rc
 
 
 cdef inline Block* hand_out(DeviceCachingAllocator a, Block* b, size_t orig_size,
@@ -1290,7 +1297,7 @@ cdef inline bint needs_python(DeviceCachingAllocator a) noexcept nogil:
     # Events to poll (backend calls), routes into private pools (thread keys, capture queries),
     # history stacks (a Python recorder): the ordinary path handles them.
     return (a.outstanding_events != 0 or not a.captures_underway.empty()
-            or a.capture_alloc_stacks or a.capture_free_stacks)
+            or a.capture_alloc_stacks or a.capture_free_stacks or a.reuse_checked)
 
 
 cdef inline int malloc_cache_hit(DeviceCachingAllocator a, size_t size, uintptr_t stream,
