@@ -61,7 +61,8 @@ from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, ma
                                   free_segment_structs)
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
 from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
-from pyalloc.errors import OutOfMemoryError, format_bytes, AlreadyFreedError, NotAllocatedError
+from pyalloc.errors import (OutOfMemoryError, format_bytes, AlreadyFreedError, NotAllocatedError,
+                            OwnedByBufferError)
 
 
 MIN_BLOCK_SIZE = kMinBlockSize
@@ -540,25 +541,28 @@ cdef class DeviceCachingAllocator:
         cdef uintptr_t s = stream_handle(stream)
         if p == 0:
             return
+        if last_use is not True and last_use is not False:
+            raise TypeError(f"last_use must be True or False, got {type(last_use).__name__} {last_use!r}")
         cdef Block* b
-        cdef uintptr_t used
+        cdef int use
         cdef bint pin = False
         cdef bint is_object = type(stream) is not int and stream is not None
         lock_allocator(self)
         try:
             b = lookup_allocated(self, p)
-            if s != b.stream:
-                for used in b.stream_uses:
-                    if used == s:
-                        break
-                else:
-                    b.stream_uses.push_back(s)
-                    self.stream_use_counts[s] += 1
-                    pin = is_object
-                    if self.capture_routes:
-                        # Its work up to now was only captured: after the capture these uses do
-                        # not need events (PyTorch's block_to_cudagraph_stream_uses).
-                        self.capture_uses[b].capture_streams.push_back(s)
+            use = stream_use_state(self, b, s)
+            if use != USE_KNOWN:
+                if not self.backend.stream_alive(s):
+                    raise ValueError(f"stream {s} was destroyed: record_stream needs a live stream "
+                                     f"(the block's free records an event there)")
+                if use == USE_NEEDS_MEMORY:
+                    make_room_for_use(self, b, s)
+                add_stream_use(self, b, s)
+                pin = is_object
+                if self.capture_routes:
+                    mark_captured_use(self, b, s)
+            elif self.capture_routes or not self.capture_uses.empty():
+                unmark_real_use(self, b, s)
             if last_use and self.capture_routes:
                 mark_last_use(self, b, s)
         finally:
@@ -597,10 +601,15 @@ cdef class DeviceCachingAllocator:
 
     def process_events(self):
         """Poll outstanding cross-stream events now (malloc does this on its own), and let go of
-        the allocation streams the program has dropped whose work is done."""
+        the allocation streams the program has dropped whose work is done.
+
+        While a capture routes allocations to a private pool, it polls nothing (an event query
+        then invalidates the capture in CUDA's global and thread-local modes); while any route is
+        active, blocks freed meanwhile stay deferred (a capture's graph may still use them)."""
         lock_allocator(self)
         try:
-            process_events(self)
+            if not self.capture_routes:
+                process_events(self)
         finally:
             self.mutex.unlock()
         if self.stream_pins:
@@ -611,6 +620,11 @@ cdef class DeviceCachingAllocator:
     def _lock_held(self):
         """Whether any thread holds this allocator's lock now (for tests)."""
         return self.mutex.held()
+
+    def _stream_pin_handles(self):
+        """The handles of the stream objects record_stream keeps alive now (for tests)."""
+        with self.pins_lock:
+            return set(self.stream_pins)
 
     def _outstanding_events(self):
         """Events that freed blocks wait on (for tests; while any, C callers take the slow path)."""
@@ -695,20 +709,24 @@ cdef class DeviceCachingAllocator:
         mempool_id")."""
         cdef MempoolId pid = pool_id_of(pool_id)
         cdef Py_ssize_t i
+        cdef Route route
         lock_allocator(self)
         try:
             i = find_route(self, pid)
             if i >= 0:
-                if self.captures_underway[i].kind == ROUTE_CAPTURE:
+                route = self.captures_underway[i]
+                if route.kind == ROUTE_CAPTURE:
                     # The capture is over: its reachability cache goes; blocks still deferred
                     # wait for the post-capture path (events once no route is active).
-                    self.reuse_contexts.erase(self.captures_underway[i].value)
+                    self.reuse_contexts.erase(route.value)
                     self.capture_routes -= 1
                 self.captures_underway.erase(self.captures_underway.begin() + i)
                 if self.captures_underway.empty() and not self.deferred_blocks.empty():
                     # No route is left: deferred blocks get their events now (PyTorch does this
                     # at the next malloc), so the cache-hit path checks one counter, not two.
                     flush_deferred_blocks(self)
+                if route.kind == ROUTE_CAPTURE and not self.capture_uses.empty():
+                    end_capture_marks(self, route.value)
             else:
                 raise RuntimeError(
                     f"endAllocatePool: not currently recording to mempool_id {tuple(pool_id)}")
@@ -1109,6 +1127,45 @@ cdef int clear_allocator(PyObject* o) noexcept:
 pyalloc_set_tp_clear(<PyObject*>DeviceCachingAllocator, clear_allocator)
 
 
+# ------------------------------------------------------------------------------- stream uses
+#
+# record_stream's rule, once for the Python method and the C entry points: a block's stream uses
+# are the streams other than its own that it was declared used on, each once, and every use is
+# counted per stream (stream_use_counts), which is what keeps a record_stream pin alive.
+
+cdef enum:
+    USE_KNOWN = 0            # b's own stream, or a use already recorded: nothing to do
+    USE_NEW = 1              # a new use; recording it allocates nothing
+    USE_NEEDS_MEMORY = 2     # a new use whose recording may allocate (a C caller defers it)
+
+
+cdef inline int stream_use_state(DeviceCachingAllocator a, Block* b, uintptr_t stream) noexcept nogil:
+    cdef uintptr_t used
+    if stream == b.stream:
+        return USE_KNOWN
+    for used in b.stream_uses:
+        if used == stream:
+            return USE_KNOWN
+    if b.stream_uses.size() == b.stream_uses.capacity() or a.stream_use_counts.count(stream) == 0:
+        return USE_NEEDS_MEMORY
+    return USE_NEW
+
+
+cdef inline void add_stream_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) noexcept nogil:
+    """Record a new use for which there is room (stream_use_state said USE_NEW, or
+    make_room_for_use ran): allocates nothing, so it cannot fail."""
+    b.stream_uses.push_back(stream)
+    a.stream_use_counts[stream] += 1
+
+
+cdef int make_room_for_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) except -1:
+    """What a USE_NEEDS_MEMORY use needs before add_stream_use: MemoryError, nothing changed but
+    spare capacity, when it cannot be had."""
+    b.stream_uses.reserve(b.stream_uses.size() + 1)
+    a.stream_use_counts.insert(pair[uintptr_t, size_t](stream, 0))
+    return 0
+
+
 # ------------------------------------------------------------------------------- the cache-hit path
 #
 # malloc: allocate_block -> try_allocate -> allocator_malloc -> (get_pool, get_free_block,
@@ -1189,8 +1246,9 @@ cdef inline Block* hand_out(DeviceCachingAllocator a, Block* b, size_t orig_size
     return b
 
 
-cdef inline int release_pointer(DeviceCachingAllocator a, uintptr_t p) except -1:
-    """free for a validated pointer: the path shared by free() and Buffer."""
+cdef inline int release_pointer(DeviceCachingAllocator a, uintptr_t p, bint by_buffer=False) except -1:
+    """free for a validated pointer: the path shared by free() and Buffer (`by_buffer`: the
+    Buffer that owns the block frees it)."""
     if p == 0:
         return 0
     cdef Block* b
@@ -1202,9 +1260,28 @@ cdef inline int release_pointer(DeviceCachingAllocator a, uintptr_t p) except -1
     lock_allocator(a)
     try:
         b = lookup_allocated(a, p)
-        allocator_free(a, b, context_id)
+        if unlikely(b.buffer_owned):
+            free_owned_block(a, b, by_buffer, context_id)
+        else:
+            allocator_free(a, b, context_id)
     finally:
         a.mutex.unlock()
+    return 0
+
+
+cdef int free_owned_block(DeviceCachingAllocator a, Block* b, bint by_buffer,
+                          uint32_t context_id) except -1:
+    """Free a Buffer's block: only its Buffer may (a raw free would leave the Buffer to free
+    whatever block sits at that address later). A failed free leaves the Buffer its owner."""
+    if not by_buffer:
+        raise OwnedByBufferError(f"pointer {b.ptr:#x} belongs to a pyalloc.Buffer: close the Buffer "
+                                 f"(or drop it) instead of freeing its pointer", b.ptr)
+    b.buffer_owned = False
+    try:
+        allocator_free(a, b, context_id)
+    except BaseException:
+        b.buffer_owned = True
+        raise
     return 0
 
 
@@ -1257,7 +1334,7 @@ cdef inline int release_pointer_in_dealloc(DeviceCachingAllocator a, uintptr_t p
             context_id = 0
     lock_allocator(a)
     try:
-        allocator_free(a, lookup_allocated(a, p), context_id)
+        free_owned_block(a, lookup_allocated(a, p), True, context_id)
     finally:
         a.mutex.unlock()
     return 0
@@ -1329,7 +1406,8 @@ cdef inline int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept
     cdef Block* b
     lock_from_any_thread(a)
     b = a.active_blocks.get(ptr)
-    if unlikely(b == NULL or not b.allocated or not b.stream_uses.empty() or needs_python(a)):
+    if unlikely(b == NULL or not b.allocated or b.buffer_owned or not b.stream_uses.empty()
+                or needs_python(a)):
         a.mutex.unlock()
         return 0
     # allocator_free's branch for a block without stream uses.
@@ -1341,24 +1419,21 @@ cdef inline int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept
 
 
 cdef inline int record_stream_cache_hit(DeviceCachingAllocator a, uintptr_t ptr, uintptr_t stream) noexcept nogil:
-    """record_stream of a live block outside any route, where the list of streams has room: 1 done,
-    or 0 (not done)."""
+    """record_stream of a live block outside any route, where recording the use allocates
+    nothing: 1 done, or 0 (not done)."""
     cdef Block* b
-    cdef uintptr_t used
+    cdef int use
     lock_from_any_thread(a)
     b = a.active_blocks.get(ptr)
     if b == NULL or not b.allocated or a.capture_routes or not a.captures_underway.empty():
         a.mutex.unlock()
         return 0
-    if stream != b.stream:
-        for used in b.stream_uses:
-            if used == stream:
-                break
-        else:
-            if b.stream_uses.size() == b.stream_uses.capacity():   # would allocate: may fail
-                a.mutex.unlock()
-                return 0
-            b.stream_uses.push_back(stream)
+    use = stream_use_state(a, b, stream)
+    if use == USE_NEEDS_MEMORY or (use == USE_NEW and a.reuse_checked):
+        a.mutex.unlock()           # may fail (or the sanitizer checks the stream): Python's path
+        return 0
+    if use == USE_NEW:
+        add_stream_use(a, b, stream)
     a.mutex.unlock()
     return 1
 
@@ -1551,19 +1626,26 @@ cdef size_t private_reserved(DeviceCachingAllocator a) noexcept:
 # dropped and events are recorded for the rest.
 
 cdef int defer_free(DeviceCachingAllocator a, Block* b) except -1:
-    a.deferred_blocks.push_back(b)
+    """Queue b (freed with stream uses while a route is active) until it may be reused. All or
+    nothing: the markers are worked out first, and a backend call that fails there leaves b
+    allocated, as if the free had not been called."""
+    cdef vector[uintptr_t] markers
+    cdef bint has_markers = False
     if a.capture_routes and a.st.settings.graph_reuse:
-        record_free_markers(a, b)
+        has_markers = free_markers(a, b, &markers)
+    a.deferred_blocks.push_back(b)
+    if has_markers:
+        uses = &a.capture_uses[b]
+        uses.markers.swap(markers)
+        uses.has_markers = True
     return 0
 
 
-cdef int record_free_markers(DeviceCachingAllocator a, Block* b) except -1:
-    """Free markers for b: the terminals of its allocation stream and every stream that used it
-    (or, with graph_capture_last_use_marks, those at a stream's last-use mark). None when one of
-    those streams is not in the same capture: b then waits for the end of the capture."""
-    cdef CaptureUses* uses = &a.capture_uses[b]
-    uses.markers.clear()
-    uses.has_markers = False
+cdef bint free_markers(DeviceCachingAllocator a, Block* b, vector[uintptr_t]* markers) except -1:
+    """True with `markers` the free markers of b: the terminals of its allocation stream and every
+    stream that used it (or, with graph_capture_last_use_marks, those at a stream's last-use
+    mark). False when one of those streams is not in the same capture: b then waits for the end
+    of the capture."""
     cdef vector[uintptr_t] streams
     streams.push_back(b.stream)
     for s in b.stream_uses:
@@ -1572,27 +1654,28 @@ cdef int record_free_markers(DeviceCachingAllocator a, Block* b) except -1:
     cdef unsigned long long capture_id = 0, first_id = 0
     cdef size_t i, j
     cdef bint marked
+    it = a.capture_uses.find(b)
+    cdef CaptureUses* uses = NULL
+    if it != a.capture_uses.end():
+        uses = &deref(it).second
     for i in range(streams.size()):
         terminals.clear()
         if not a.backend.capture_info(streams[i], &capture_id, &terminals):
-            uses.markers.clear()
-            return 0
+            return False
         if i == 0:
             first_id = capture_id
         elif capture_id != first_id:
-            uses.markers.clear()
-            return 0
+            return False
         marked = False
-        if a.st.settings.graph_last_use:
+        if a.st.settings.graph_last_use and uses != NULL:
             for j in range(uses.last_use.size()):
                 if uses.last_use[j].first == streams[i]:
-                    add_unique(&uses.markers, uses.last_use[j].second)
+                    add_unique(markers, uses.last_use[j].second)
                     marked = True
                     break
         if not marked:
-            add_unique(&uses.markers, terminals)
-    uses.has_markers = True
-    return 0
+            add_unique(markers, terminals)
+    return True
 
 
 cdef int mark_last_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) except -1:
@@ -1686,18 +1769,70 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
     return 0
 
 
+cdef int mark_captured_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) except -1:
+    """A new use of b on `stream` (record_stream, a capture route active): when the stream is
+    capturing in a capture that a route sends to a private pool, only that captured work stands
+    behind the use, so it is marked with the capture. A stream that is not capturing is doing
+    real work, whose use must wait for an event like any other (PyTorch marks every use recorded
+    while a capture is underway, on any stream: a difference)."""
+    cdef unsigned long long capture_id = 0
+    cdef vector[uintptr_t] terminals
+    if not a.backend.capture_info(stream, &capture_id, &terminals) or not a.routes_capture(capture_id):
+        return 0
+    a.capture_uses[b].captured_uses.push_back(pair[uintptr_t, uint64_t](stream, capture_id))
+    return 0
+
+
+cdef int unmark_real_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) except -1:
+    """record_stream names a stream b already uses: while the stream is not capturing, that use is
+    real now, whatever a capture marked before."""
+    it = a.capture_uses.find(b)
+    if it == a.capture_uses.end() or deref(it).second.captured_uses.empty():
+        return 0
+    cdef unsigned long long capture_id = 0
+    cdef vector[uintptr_t] terminals
+    if a.backend.capture_info(stream, &capture_id, &terminals):
+        return 0
+    drop_marks(&deref(it).second.captured_uses, stream, 0)
+    return 0
+
+
+cdef void drop_marks(vector[pair[uintptr_t, uint64_t]]* marks, uintptr_t stream,
+                     uint64_t capture_id) noexcept:
+    """Remove the marks naming `stream` (capture_id 0) or capture `capture_id` (stream 0)."""
+    cdef size_t i = 0
+    while i < marks.size():
+        if (stream != 0 and deref(marks)[i].first == stream) or (
+                capture_id != 0 and deref(marks)[i].second == capture_id):
+            deref(marks)[i] = marks.back()
+            marks.pop_back()
+        else:
+            i += 1
+
+
+cdef void end_capture_marks(DeviceCachingAllocator a, uint64_t capture_id) noexcept:
+    """Capture `capture_id` is over (its flush, if any, has run): its marks end with it, so that a
+    use the program makes of the block afterwards is never taken for captured work."""
+    it = a.capture_uses.begin()
+    while it != a.capture_uses.end():
+        drop_marks(&deref(it).second.captured_uses, 0, capture_id)
+        inc(it)
+
+
 cdef void forget_capture_uses(DeviceCachingAllocator a, Block* b) noexcept:
-    """After the capture: drop b's stream uses that were only captured, and its capture record."""
+    """At the flush after the captures: drop b's stream uses that only captured work stands
+    behind (still marked), and its capture record."""
     it = a.capture_uses.find(b)
     if it == a.capture_uses.end():
         return
     cdef vector[uintptr_t] kept
-    cdef uintptr_t s, c
+    cdef uintptr_t s
+    cdef pair[uintptr_t, uint64_t] mark
     cdef bint captured
     for s in b.stream_uses:
         captured = False
-        for c in deref(it).second.capture_streams:
-            if c == s:
+        for mark in deref(it).second.captured_uses:
+            if mark.first == s:
                 captured = True
                 break
         if not captured:
@@ -1848,7 +1983,9 @@ cdef int release_private_pools(DeviceCachingAllocator a, bint only_one, MempoolI
     if a.capture_routes:
         return 0        # freeing device memory would invalidate the capture (see release_available...)
     for entry in a.graph_pools:
-        if entry.second.use_count <= 0 and (not only_one or entry.first == pid):
+        # A pool a live route names stays, whatever its use count: the route points at it.
+        if (entry.second.use_count <= 0 and (not only_one or entry.first == pid)
+                and find_route(a, entry.first) < 0):
             freeable.push_back(entry.first)
     if only_one and not freeable.empty() and a.captures_underway.empty():
         # Blocks of the pool may still wait for events (PyTorch syncs that pool's events).
@@ -2432,8 +2569,9 @@ cdef int flush_deferred_blocks(DeviceCachingAllocator a) except -1:
 
 
 cdef int process_events(DeviceCachingAllocator a) except -1:
-    """Free blocks whose events have all completed; polls each stream's events in order."""
-    if not a.deferred_blocks.empty():
+    """Free blocks whose events have all completed; polls each stream's events in order. Blocks
+    deferred while a route is active stay deferred until no route is."""
+    if not a.deferred_blocks.empty() and a.captures_underway.empty():
         flush_deferred_blocks(a)
     cdef EventQueues.iterator it = a.stream_events.begin()
     cdef EventEntry front
@@ -2716,6 +2854,10 @@ cdef class Buffer:
         if size != 0 and type(stream) is not int and handle != 0 and stream is not None:
             allocator.keep_allocation_stream(handle, stream)     # before: as malloc does
         cdef Block* b = allocate_block(allocator, size, handle)
+        if b != NULL:
+            lock_allocator(allocator)
+            b.buffer_owned = True          # only this Buffer frees it (free(ptr) raises)
+            allocator.mutex.unlock()
         self.allocator = allocator
         self.size = size
         self.stream = handle
@@ -2723,6 +2865,10 @@ cdef class Buffer:
 
     @property
     def device(self):
+        """The ordinal of the device the memory is on."""
+        if self.allocator is None:
+            raise RuntimeError("this Buffer was never initialised (made by Buffer.__new__ without "
+                               "__init__): it owns no memory and has no device")
         return self.allocator.backend.device
 
     @property
@@ -2734,7 +2880,11 @@ cdef class Buffer:
         cdef uintptr_t p = self.ptr
         if p:
             self.ptr = 0
-            release_pointer(self.allocator, p)
+            try:
+                release_pointer(self.allocator, p, True)
+            except BaseException:
+                self.ptr = p               # not freed: the Buffer still owns the block
+                raise
 
     def __enter__(self):
         return self
@@ -2756,6 +2906,8 @@ cdef class Buffer:
         self.__reduce__()
 
     def __repr__(self):
+        if self.allocator is None:
+            return "Buffer(uninitialised)"
         return (f"Buffer(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, "
                 f"device={self.device})")
 

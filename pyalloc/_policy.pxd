@@ -186,6 +186,7 @@ cdef inline Block* new_block(CoreState* st, uintptr_t stream, size_t size, Block
     b.allocated = False
     b.mapped = True
     b.expandable = False
+    b.buffer_owned = False
     b.segment = NULL
     b.event_count = 0
     b.gc_count_base = 0

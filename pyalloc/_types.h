@@ -101,6 +101,7 @@ struct alignas(64) Block {
     bool allocated = false;        // handed out and not yet freed by the caller
     bool mapped = true;            // false for unmapped address space of an expandable segment
     bool expandable = false;       // part of an expandable segment
+    bool buffer_owned = false;     // a pyalloc.Buffer owns it: only the Buffer may free it
     int event_count = 0;           // outstanding cross-stream events recorded at free
     uint32_t metadata_id = 0;      // user metadata current when allocated (0 = none)
     uint32_t context_id = 0;       // captured stack of the hand-out (0 = none)
@@ -369,7 +370,11 @@ struct Route {
 
 // What the core remembers of a block used or freed while a capture is underway.
 struct CaptureUses {
-    std::vector<uintptr_t> capture_streams;  // streams record_stream added during a capture
+    // Stream uses that record_stream added while their stream was capturing in a routed capture,
+    // with that capture's id: only captured work stands behind them, so the flush at that capture's
+    // end drops them instead of recording events. They end with their capture (a later real use is
+    // then safe), and a record_stream naming the stream outside a capture turns one real.
+    std::vector<std::pair<uintptr_t, uint64_t>> captured_uses;
     std::vector<uintptr_t> markers;          // free markers: graph nodes every later use must follow
     bool has_markers = false;                // markers were recorded (else: wait for capture end)
     // Last-use marks (record_stream(..., last_use=True)): a stream and its terminals at the mark.

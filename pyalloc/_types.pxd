@@ -29,6 +29,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         bint allocated
         bint mapped
         bint expandable
+        bint buffer_owned
         ExpandableSegment* segment
         int event_count
         int64_t gc_count_base
@@ -166,7 +167,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
     void single_reset_accumulated(Stat* s)
 
     cdef cppclass CaptureUses:
-        vector[uintptr_t] capture_streams
+        vector[pair[uintptr_t, uint64_t]] captured_uses
         vector[uintptr_t] markers
         bint has_markers
         vector[pair[uintptr_t, vector[uintptr_t]]] last_use

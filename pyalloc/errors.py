@@ -66,5 +66,10 @@ class AlreadyFreedError(PointerError):
     a use after free)."""
 
 
+class OwnedByBufferError(PointerError):
+    """`ptr` is the memory of a live pyalloc.Buffer, which alone frees it (close() or dropping
+    it): a raw free would leave the Buffer to free whatever block sits at that address later."""
+
+
 class NoCudaDriverError(RuntimeError):
     """The CUDA backend was asked for, but no driver or no GPU is available."""

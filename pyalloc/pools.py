@@ -43,9 +43,11 @@ class MemPool:
     """
 
     def __init__(self, device=None, use_on_oom=False, no_split=False, *, allocator=None):
+        self._default_device = None     # the device whose default allocator it was made on
         if allocator is None:
             from pyalloc import defaults
             allocator = defaults.get_allocator(device)
+            self._default_device = allocator.device
         for name, value in (("use_on_oom", use_on_oom), ("no_split", no_split)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -110,6 +112,14 @@ def use_mem_pool(pool, device=None):
     if pool._released:
         raise ValueError(f"MemPool {pool.id} was released")
     allocator = pool.allocator
+    if pool._default_device is not None:
+        from pyalloc import defaults
+        if defaults.default_allocators().get(pool._default_device) is not allocator:
+            # Routing the retired allocator would leave pyalloc.malloc, which uses the new one,
+            # outside the pool without a word.
+            raise RuntimeError(
+                f"MemPool {pool.id} was made on device {pool._default_device}'s default allocator, "
+                f"which set_default_backend() has since replaced; make a new MemPool")
     if device is not None and device != allocator.device:
         raise ValueError(f"MemPool {pool.id} belongs to device {allocator.device}, not device {device}")
     allocator.begin_allocate_to_pool(pool.id, ("thread", current_thread_key()))
