@@ -12,6 +12,7 @@ from libcpp.unordered_set cimport unordered_set
 
 from libc.stdint cimport uint64_t
 from pyalloc._types cimport (AllocatorLock, ActiveMap, Block, BlockPool, CaptureReuse, CaptureUses,
+                             DeferredEntry, StreamReuse,
                              CoreState, MempoolId, PrivatePool, Route)
 from pyalloc._backend cimport Backend
 
@@ -58,7 +59,10 @@ cdef class DeviceCachingAllocator:
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools
-    cdef vector[Block*] deferred_blocks               # freed with stream uses while routing
+    cdef vector[Block*] deferred_blocks               # freed with stream uses while routing; NULL: released
+    cdef size_t deferred_released                     # NULL slots in deferred_blocks
+    cdef size_t deferred_marked                       # deferred blocks with free markers (reuse candidates)
+    cdef uint64_t last_defer_id                       # CaptureUses.defer_id of the newest deferral
     cdef unordered_map[BlockPtr, CaptureUses] capture_uses     # blocks used or freed in a capture
     cdef unordered_map[uint64_t, CaptureReuse] reuse_contexts  # by capture id (#162186 cache)
     cdef uint64_t nodes_expanded                      # graph nodes the reuse walks expanded

@@ -788,7 +788,8 @@ cdef class DeviceCachingAllocator:
     def _capture_stats(self):
         """Counters of the in-capture reuse walk: nodes_expanded (graph nodes whose parents were
         asked for, over the allocator's life), deferred_blocks (blocks waiting now)."""
-        return {"nodes_expanded": self.nodes_expanded, "deferred_blocks": self.deferred_blocks.size()}
+        return {"nodes_expanded": self.nodes_expanded,
+                "deferred_blocks": self.deferred_blocks.size() - self.deferred_released}
 
     def private_pool_bytes(self):
         """(reserved, cached): bytes of device memory held by private pools, and of those the
@@ -1630,19 +1631,79 @@ cdef int defer_free(DeviceCachingAllocator a, Block* b) except -1:
     nothing: the markers are worked out first, and a backend call that fails there leaves b
     allocated, as if the free had not been called."""
     cdef vector[uintptr_t] markers
+    cdef unsigned long long capture_id = 0
     cdef bint has_markers = False
     if a.capture_routes and a.st.settings.graph_reuse:
-        has_markers = free_markers(a, b, &markers)
+        has_markers = free_markers(a, b, &markers, &capture_id)
     a.deferred_blocks.push_back(b)
     if has_markers:
         uses = &a.capture_uses[b]
         uses.markers.swap(markers)
         uses.has_markers = True
+        uses.next_marker = 0
+        a.last_defer_id += 1
+        uses.defer_id = a.last_defer_id
+        uses.deferred_index = a.deferred_blocks.size() - 1
+        a.deferred_marked += 1
+        index_deferred(&a.reuse_contexts[capture_id].streams[b.stream], b, uses)
     return 0
 
 
-cdef bint free_markers(DeviceCachingAllocator a, Block* b, vector[uintptr_t]* markers) except -1:
-    """True with `markers` the free markers of b: the terminals of its allocation stream and every
+cdef void index_deferred(StreamReuse* reuse, Block* b, CaptureUses* uses) noexcept:
+    """File b under its first marker not yet known to precede its stream's terminals (from
+    uses.next_marker on), or as ready when there is none."""
+    cdef DeferredEntry entry = DeferredEntry(b, uses.defer_id)
+    while uses.next_marker < uses.markers.size():
+        if reuse.visited.count(uses.markers[uses.next_marker]) == 0:
+            reuse.waiting[uses.markers[uses.next_marker]].push_back(entry)
+            reuse.indexed += 1
+            return
+        uses.next_marker += 1
+    reuse.ready.push_back(entry)
+    reuse.indexed += 1
+
+
+cdef inline CaptureUses* still_deferred(DeviceCachingAllocator a, DeferredEntry entry) noexcept:
+    """The block's capture record when the entry is current (the block is still deferred from
+    the same free), else NULL."""
+    it = a.capture_uses.find(entry.first)
+    if it == a.capture_uses.end() or deref(it).second.defer_id != entry.second:
+        return NULL
+    return &deref(it).second
+
+
+cdef void release_deferred(DeviceCachingAllocator a, Block* b, CaptureUses* uses) noexcept:
+    """Deferred block b is safe to reuse in the capture: out of deferred_blocks (its slot left
+    NULL, compacted once half are) and back to its pool."""
+    a.deferred_blocks[uses.deferred_index] = NULL
+    a.deferred_released += 1
+    a.deferred_marked -= 1
+    forget_stream_uses(a, &b.stream_uses)
+    free_completed(a, b)              # erases b's capture record
+    if a.deferred_released * 2 > a.deferred_blocks.size():
+        compact_deferred(a)
+
+
+cdef void compact_deferred(DeviceCachingAllocator a) noexcept:
+    """Drop the NULL slots of deferred_blocks, keeping the order, and renumber the slots."""
+    cdef size_t i, kept = 0
+    cdef Block* b
+    for i in range(a.deferred_blocks.size()):
+        b = a.deferred_blocks[i]
+        if b == NULL:
+            continue
+        a.deferred_blocks[kept] = b
+        it = a.capture_uses.find(b)
+        if it != a.capture_uses.end():
+            deref(it).second.deferred_index = kept
+        kept += 1
+    a.deferred_blocks.resize(kept)
+    a.deferred_released = 0
+
+
+cdef bint free_markers(DeviceCachingAllocator a, Block* b, vector[uintptr_t]* markers,
+                       unsigned long long* capture) except -1:
+    """True with `markers` the free markers of b (and *capture its capture's id): the terminals of its allocation stream and every
     stream that used it (or, with graph_capture_last_use_marks, those at a stream's last-use
     mark). False when one of those streams is not in the same capture: b then waits for the end
     of the capture."""
@@ -1675,6 +1736,7 @@ cdef bint free_markers(DeviceCachingAllocator a, Block* b, vector[uintptr_t]* ma
                     break
         if not marked:
             add_unique(markers, terminals)
+    capture[0] = first_id
     return True
 
 
@@ -1715,57 +1777,76 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
     """Before an allocation of `size` rounded bytes on `stream` from `pool` during a capture:
     free the deferred blocks of `stream` whose markers all precede its terminals (#162186); with
     graph_capture_cross_stream_reuse, when `pool` still has no block that fits, also move the
-    smallest fitting whole segment of another stream whose markers precede them to `stream`."""
-    cdef Block* b
-    cdef size_t i
-    cdef bint cross = a.st.settings.graph_cross_stream_reuse
-    cdef bint candidates = False
-    cdef PrivatePool* private = pool.owner
-    for i in range(a.deferred_blocks.size()):
-        if reusable_on(a, a.deferred_blocks[i], stream, private, cross):
-            candidates = True
-            break
-    if not candidates:
-        return 0        # nothing to decide: the walk can wait (the ancestor set only grows)
+    smallest fitting whole segment of another stream whose markers precede them to `stream`.
+
+    The walk adds only the nodes new since the last one, and only the blocks waiting on those
+    nodes are looked at: the cost follows what changed in the graph, not how many blocks wait."""
+    if a.deferred_marked == 0:
+        return 0
     cdef vector[uintptr_t] terminals
     cdef unsigned long long capture_id = 0
     if not a.backend.capture_info(stream, &capture_id, &terminals) or terminals.empty():
         return 0
-    visited = &a.reuse_contexts[capture_id].visited[stream]
-    extend_ancestors(a.backend, visited, terminals, &a.nodes_expanded)
-    i = 0
-    while i < a.deferred_blocks.size():
-        b = a.deferred_blocks[i]
-        if (b.stream == stream and reusable_on(a, b, stream, private, False)
-                and all_visited(visited, a.capture_uses[b].markers)):
-            # The graph orders every later use on `stream` after the block's last uses: no event.
-            a.deferred_blocks.erase(a.deferred_blocks.begin() + i)
-            forget_stream_uses(a, &b.stream_uses)
-            free_completed(a, b)
+    cdef bint cross = a.st.settings.graph_cross_stream_reuse
+    context = &a.reuse_contexts[capture_id]
+    found = context.streams.find(stream)
+    if found == context.streams.end() and not cross:
+        return 0                      # no block of this stream waits in this capture
+    cdef StreamReuse* reuse = &context.streams[stream]
+    cdef vector[uintptr_t] added
+    extend_ancestors(a.backend, &reuse.visited, terminals, &a.nodes_expanded, &added)
+    cdef uintptr_t node
+    cdef vector[DeferredEntry] woken
+    cdef DeferredEntry entry
+    cdef CaptureUses* uses
+    for node in added:
+        waiting = reuse.waiting.find(node)
+        if waiting == reuse.waiting.end():
+            continue
+        woken.swap(deref(waiting).second)
+        reuse.waiting.erase(waiting)
+        reuse.indexed -= woken.size()
+        for entry in woken:
+            uses = still_deferred(a, entry)
+            if uses != NULL:
+                uses.next_marker += 1
+                index_deferred(reuse, entry.first, uses)
+        woken.clear()
+    # The graph orders every later use on `stream` after these blocks' last uses: no event.
+    cdef PrivatePool* private = pool.owner
+    cdef size_t i, kept = 0
+    for i in range(reuse.ready.size()):
+        entry = reuse.ready[i]
+        uses = still_deferred(a, entry)
+        if uses == NULL:
+            continue
+        if entry.first.pool.owner == private and private != NULL:
+            release_deferred(a, entry.first, uses)
         else:
-            i += 1
+            reuse.ready[kept] = entry             # another pool's: its own malloc frees it
+            kept += 1
+    reuse.indexed -= reuse.ready.size() - kept
+    reuse.ready.resize(kept)
     if not cross or get_free_block(&a.st.settings, pool, stream, size) != NULL:
         return 0
     # Nothing of `stream`'s own fits: one whole segment of another stream, the smallest that the
-    # best-fit rules would give this request, moves here.
+    # best-fit rules would give this request, moves here. (A scan of the deferred blocks: it runs
+    # only when the pool has no block that fits.)
+    cdef Block* b
     cdef Block* best = NULL
-    cdef size_t best_index = 0
     cdef size_t max_split = a.st.settings.max_split_size
     for i in range(a.deferred_blocks.size()):
         b = a.deferred_blocks[i]
-        if (b.stream != stream and b.pool == pool and b.size >= size
+        if (b != NULL and b.stream != stream and b.pool == pool and b.size >= size
                 and not (size < max_split and b.size >= max_split)
                 and not (size >= max_split and b.size - size >= a.st.settings.max_non_split_rounding_size)
                 and (best == NULL or b.size < best.size)
                 and reusable_on(a, b, stream, private, True)
-                and all_visited(visited, a.capture_uses[b].markers)):
+                and all_visited(&reuse.visited, a.capture_uses[b].markers)):
             best = b
-            best_index = i
     if best != NULL:
-        a.deferred_blocks.erase(a.deferred_blocks.begin() + best_index)
-        forget_stream_uses(a, &best.stream_uses)
         best.stream = stream            # a whole segment moves to the stream that may use it
-        free_completed(a, best)
+        release_deferred(a, best, &a.capture_uses[best])
     return 0
 
 
@@ -2552,9 +2633,13 @@ cdef int flush_deferred_blocks(DeviceCachingAllocator a) except -1:
     events (or free them when they wait for nothing)."""
     cdef vector[Block*] blocks
     blocks.swap(a.deferred_blocks)
+    a.deferred_released = 0
+    a.deferred_marked = 0             # the routes are over: no block is a reuse candidate now
     cdef size_t i
     try:
         for i in range(blocks.size()):
+            if blocks[i] == NULL:
+                continue              # released during its capture
             if not a.capture_uses.empty():
                 forget_capture_uses(a, blocks[i])
             if blocks[i].stream_uses.empty():
@@ -2563,7 +2648,8 @@ cdef int flush_deferred_blocks(DeviceCachingAllocator a) except -1:
                 insert_events(a, blocks[i])
     except BaseException:
         for j in range(i, blocks.size()):
-            a.deferred_blocks.push_back(blocks[j])
+            if blocks[j] != NULL:
+                a.deferred_blocks.push_back(blocks[j])
         raise
     return 0
 

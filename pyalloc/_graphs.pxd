@@ -7,6 +7,7 @@ from libcpp.unordered_set cimport unordered_set
 from pyalloc._backend cimport Backend
 
 cdef int extend_ancestors(Backend backend, unordered_set[uintptr_t]* visited,
-                          vector[uintptr_t]& terminals, uint64_t* expanded) except -1
+                          vector[uintptr_t]& terminals, uint64_t* expanded,
+                          vector[uintptr_t]* added) except -1
 cdef bint all_visited(unordered_set[uintptr_t]* visited, vector[uintptr_t]& nodes) noexcept
 cdef int add_unique(vector[uintptr_t]* nodes, vector[uintptr_t]& more) except -1

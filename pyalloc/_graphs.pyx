@@ -18,9 +18,10 @@ from pyalloc._backend cimport Backend
 
 
 cdef int extend_ancestors(Backend backend, unordered_set[uintptr_t]* visited,
-                          vector[uintptr_t]& terminals, uint64_t* expanded) except -1:
+                          vector[uintptr_t]& terminals, uint64_t* expanded,
+                          vector[uintptr_t]* added) except -1:
     """Add `terminals` and all their ancestors to `visited`; *expanded counts the nodes whose
-    parents were asked for (the walk's cost)."""
+    parents were asked for (the walk's cost); `added` (or NULL) receives the nodes new to it."""
     cdef vector[uintptr_t] stack
     cdef vector[uintptr_t] parents
     cdef uintptr_t node
@@ -30,6 +31,8 @@ cdef int extend_ancestors(Backend backend, unordered_set[uintptr_t]* visited,
     while not stack.empty():
         node = stack.back()
         stack.pop_back()
+        if added != NULL:
+            added.push_back(node)
         parents.clear()
         backend.node_dependencies(node, &parents)
         expanded[0] += 1

@@ -377,14 +377,31 @@ struct CaptureUses {
     std::vector<std::pair<uintptr_t, uint64_t>> captured_uses;
     std::vector<uintptr_t> markers;          // free markers: graph nodes every later use must follow
     bool has_markers = false;                // markers were recorded (else: wait for capture end)
+    size_t next_marker = 0;                  // markers before it are known to precede the stream
+    uint64_t defer_id = 0;                   // nonzero while deferred with markers (unique per free)
+    size_t deferred_index = 0;               // its slot in the allocator's deferred_blocks
     // Last-use marks (record_stream(..., last_use=True)): a stream and its terminals at the mark.
     std::vector<std::pair<uintptr_t, std::vector<uintptr_t>>> last_use;
 };
 
-// One capture's reachability cache: for each stream, the graph nodes known to precede its
-// terminals. Closed under parents, so a node is expanded at most once per stream and capture.
+// A deferred block in a reuse index, with the defer_id it had when indexed: an entry whose block
+// has since been released (or freed and deferred again) no longer matches and is skipped.
+typedef std::pair<Block*, uint64_t> DeferredEntry;
+
+// One stream's reuse state in one capture: the graph nodes known to precede its terminals
+// (closed under parents, so a node is expanded at most once per stream and capture), and the
+// blocks of that stream deferred with free markers, indexed by the first marker not known to
+// precede yet. A malloc then does work for the nodes its walk newly finds and the blocks they
+// make ready, not for every deferred block.
+struct StreamReuse {
+    std::unordered_set<uintptr_t> visited;
+    std::unordered_map<uintptr_t, std::vector<DeferredEntry>> waiting;   // marker node -> blocks
+    std::vector<DeferredEntry> ready;        // every marker visited: free at the next malloc here
+    size_t indexed = 0;                      // entries in waiting and ready (stale ones too)
+};
+
 struct CaptureReuse {
-    std::unordered_map<uintptr_t, std::unordered_set<uintptr_t>> visited;
+    std::unordered_map<uintptr_t, StreamReuse> streams;
 };
 
 // The settings the policy reads (bytes unless noted), copied from a config object.

@@ -170,10 +170,25 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         vector[pair[uintptr_t, uint64_t]] captured_uses
         vector[uintptr_t] markers
         bint has_markers
+        size_t next_marker
+        uint64_t defer_id
+        size_t deferred_index
         vector[pair[uintptr_t, vector[uintptr_t]]] last_use
 
+    cdef cppclass DeferredEntry:          # std::pair<Block*, uint64_t>
+        Block* first
+        uint64_t second
+        DeferredEntry()
+        DeferredEntry(Block*, uint64_t)
+
+    cdef cppclass StreamReuse:
+        unordered_set[uintptr_t] visited
+        unordered_map[uintptr_t, vector[DeferredEntry]] waiting
+        vector[DeferredEntry] ready
+        size_t indexed
+
     cdef cppclass CaptureReuse:
-        unordered_map[uintptr_t, unordered_set[uintptr_t]] visited
+        unordered_map[uintptr_t, StreamReuse] streams
 
     cdef cppclass Settings:
         size_t max_split_size
