@@ -268,8 +268,8 @@ def _write_dump(snapshot: dict, path: str) -> None:
 
 def _cmd_replay(args) -> int:
     from pyalloc.errors import format_bytes
-    from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, gc_without_fraction, has_oom_entries,
-                                recorded_oom, replay)
+    from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, fraction_in_force, gc_without_fraction,
+                                has_oom_entries, recorded_oom, replay)
     from pyalloc.snapshot import SnapshotError
     from pyalloc.tune import _settings_key, recorded_config, recorded_oom_lines
 
@@ -296,10 +296,13 @@ def _cmd_replay(args) -> int:
         placement = "recorded" if same else "fresh"
     if args.dump:
         _check_dump_path(args.dump)
+    # The run's fraction, whether --memory-fraction or the setting's per_process_memory_fraction
+    # gives it: the device a recorded OOM implies is the one whose fraction gives its limit.
+    fraction = fraction_in_force(config, args.memory_fraction)
     oom = None
     if has_oom_entries(entries):
         try:
-            oom = recorded_oom(snapshot, device=args.device, memory_fraction=args.memory_fraction)
+            oom = recorded_oom(snapshot, device=args.device, memory_fraction=fraction)
         except SnapshotError as err:   # a corrupt trace entry
             raise CliError(f"{args.trace}: {err}") from None
     derived = args.device_memory is None and oom is not None
@@ -307,13 +310,13 @@ def _cmd_replay(args) -> int:
         device_memory = oom.device_memory
     else:
         device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
-    if gc_without_fraction(own, args.memory_fraction):
+    if gc_without_fraction(own, fraction):
         _warn("the trace's own setting sets garbage_collection_threshold, which acts only under a "
               "memory fraction below 1, and none is given: its segment frees are replayed as "
               "empty_cache() calls. If the run called torch.cuda.set_per_process_memory_fraction, "
               "pass that fraction as --memory-fraction.")
     if oom is not None and not args.json:
-        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, args.memory_fraction):
+        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, fraction):
             print(text)
     with _Progress("replay", "ev") as bar:
         try:

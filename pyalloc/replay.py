@@ -216,6 +216,22 @@ def check_memory_fraction(memory_fraction):
     return float(memory_fraction)
 
 
+def fraction_in_force(config, memory_fraction):
+    """The per-process memory fraction a replay under setting string `config` runs with:
+    `memory_fraction` when given, else the setting's own per_process_memory_fraction; None when
+    that is 1.0 (no fraction) or `config` does not parse. PyTorch applies the setting's fraction
+    at construction exactly as torch.cuda.set_per_process_memory_fraction, so every step that
+    models the run's limit (classifying its segment frees, deriving the device from a recorded
+    OOM, --fit's scaling) must see the fraction whichever way it was given."""
+    if memory_fraction is not None:
+        return memory_fraction
+    try:
+        fraction = CudaAllocatorConfig(config).per_process_memory_fraction
+    except ValueError:       # a malformed setting: the replay itself reports it
+        return None
+    return fraction if fraction < 1.0 else None
+
+
 def gc_without_fraction(config, memory_fraction):
     """True when setting string `config` sets garbage_collection_threshold but no memory fraction
     below 1 is in force (neither `memory_fraction` nor its per_process_memory_fraction): PyTorch's
@@ -459,6 +475,9 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     if config is None:
         config = own
     device_memory = DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory
+    # A fraction in `config` is the run's limit as much as one given as memory_fraction: the
+    # classification below replays the own setting, which does not carry it.
+    memory_fraction = fraction_in_force(config, memory_fraction)
     if empty_cache_calls is None and config != own:
         try:
             foreign = not same_settings(config, own)
@@ -546,6 +565,7 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
         check_trace(entries, device)
     if config is None:
         config = own_config(snapshot)
+    memory_fraction = fraction_in_force(config, memory_fraction)
     if empty_cache_calls is None:
         if device_memory is None:
             oom = recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)

@@ -1052,3 +1052,14 @@ def test_tune_rejects_bad_arguments_before_any_work(trace_file):
     from pyalloc.config import ConfigError
     with pytest.raises(ConfigError, match="nonsense"):
         tune_module.tune(trace_file, grid=None, configs=["nonsense:1"])
+
+
+# -- issue 25: a fraction in --config is the run's fraction -------------------------------------------
+
+def test_replay_derives_the_same_device_from_an_oom_whether_the_fraction_is_in_config_or_an_option(capsys):
+    path = TRACES / "oom" / "tight-fraction.pickle.gz"
+    fraction = json.loads((TRACES / "oom" / "tight-fraction.json").read_text())["fraction"]
+    option, _ = run_json(capsys, "replay", path, "--memory-fraction", repr(fraction))
+    in_config, _ = run_json(capsys, "replay", path, "--config", f"per_process_memory_fraction:{fraction!r}")
+    assert in_config["device_memory_derived"] and option["device_memory_derived"]
+    assert in_config["device_memory"] == option["device_memory"]
