@@ -40,8 +40,9 @@ exit statuses:
   1    tune could replay none of its settings (each failed or was skipped: the report says why),
        or the output pipe closed early
   2    bad input, reported as one line on stderr: a usage error (a bad option or size), a file
-       that is not a readable snapshot, no trace for --device, a corrupt trace entry, a malformed
-       setting string or one this pyalloc cannot replay
+       that is not a readable snapshot (or larger than --max-input-size), no trace for --device,
+       a corrupt trace entry, a malformed setting string or one this pyalloc cannot replay; also
+       an output (-o, --html, --dump or stdout) that cannot be written, e.g. on a full disk
   130  interrupted (Ctrl-C)"""
 
 # A progress bar appears only for work still running after this many seconds, so quick runs
@@ -51,6 +52,10 @@ PROGRESS_DELAY_S = 1.0
 
 class CliError(Exception):
     """Bad input: printed as one line `pyalloc: error: ...` and exit status 2."""
+
+
+class _StdoutError(CliError):
+    """Standard output could not be written (a full disk): reported like an -o that cannot."""
 
 
 def parse_size(text: str) -> int:
@@ -189,13 +194,15 @@ def _warn(message: str) -> None:
 
 # -- shared steps -------------------------------------------------------------------------------------
 
-def _load_trace(path: str, device: int):
-    """The snapshot dict and its trace entries, or CliError with SnapshotError's message."""
-    from pyalloc.replay import trace_devices, trace_entries
+def _load_trace(path: str, device: int, max_bytes: int):
+    """The snapshot dict and its trace entries, or CliError with SnapshotError's message: also for
+    a corrupt trace entry or a setting stored as something other than a string, checked here
+    once so that no command meets them later as an exception. `max_bytes`: --max-input-size."""
+    from pyalloc.replay import check_trace, own_config, trace_devices, trace_entries
     from pyalloc.snapshot import SnapshotError, load
 
     try:
-        snapshot = load(path)
+        snapshot = load(path, max_bytes=max_bytes)
     except SnapshotError as err:
         raise CliError(str(err)) from None
     devices = trace_devices(snapshot)
@@ -206,8 +213,10 @@ def _load_trace(path: str, device: int):
                        f"(try --device {devices[0]})")
     try:
         entries = trace_entries(snapshot, device)
+        check_trace(entries, device)
+        own_config(snapshot)
     except SnapshotError as err:
-        raise CliError(str(err)) from None
+        raise CliError(f"{path}: {err}") from None
     return snapshot, entries
 
 
@@ -269,11 +278,11 @@ def _write_dump(snapshot: dict, path: str) -> None:
 def _cmd_replay(args) -> int:
     from pyalloc.errors import format_bytes
     from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, fraction_in_force, gc_without_fraction,
-                                has_oom_entries, recorded_oom, replay)
+                                has_oom_entries, implied_device_memory, recorded_oom, replay)
     from pyalloc.snapshot import SnapshotError
     from pyalloc.tune import _settings_key, recorded_config, recorded_oom_lines
 
-    snapshot, entries = _load_trace(args.trace, args.device)
+    snapshot, entries = _load_trace(args.trace, args.device, args.max_input_size)
     own = recorded_config(snapshot)
     if args.config is None:
         config, what = own, "the trace's own setting"
@@ -307,7 +316,10 @@ def _cmd_replay(args) -> int:
             raise CliError(f"{args.trace}: {err}") from None
     derived = args.device_memory is None and oom is not None
     if derived:
-        device_memory = oom.device_memory
+        try:
+            device_memory = implied_device_memory(oom)
+        except SnapshotError as err:
+            raise CliError(f"{args.trace}: {err}") from None
     else:
         device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
     if gc_without_fraction(own, fraction):
@@ -398,7 +410,7 @@ def _cmd_tune(args) -> int:
             CudaAllocatorConfig(text)
         except ConfigError as err:
             raise _config_error(err, "--config") from None
-    snapshot, entries = _load_trace(args.trace, args.device)
+    snapshot, entries = _load_trace(args.trace, args.device, args.max_input_size)
     if args.html:
         _check_html_path(args.html, "--html")
     # --config alone tries just those settings; --grid adds a whole grid to them.
@@ -435,11 +447,12 @@ def _check_html_path(path: str, what: str) -> None:
         raise CliError(f"{what} {path!r} is a folder; give a file name such as report.html")
 
 
-def _write_html(path: str, text: str, what: str) -> None:
+def _write_html(path: str, text: str, what: str) -> int:
+    """Write a page (atomically: a failure keeps an old file); returns its size in bytes."""
     from pyalloc.report_html import write
 
     try:
-        write(path, text)
+        return write(path, text)
     except OSError as err:
         raise CliError(f"{what} {path!r}: {err.strerror or err}") from None
 
@@ -455,13 +468,16 @@ def _write_tune_html(path: str, result, snapshot, quiet: bool) -> None:
 
 def _cmd_view(args) -> int:
     from pyalloc.errors import format_bytes
+    from pyalloc.snapshot import SnapshotError
     from pyalloc.view import analyze, format_summary
 
     if args.output:
         _check_html_path(args.output, "-o")
-    snapshot, _ = _load_trace(args.snapshot, args.device)
+    snapshot, _ = _load_trace(args.snapshot, args.device, args.max_input_size)
     try:
         view = analyze(snapshot, device=args.device, path=args.snapshot)
+    except SnapshotError as err:     # a frame or tag of the wrong shape
+        raise CliError(f"{args.snapshot}: {err}") from None
     except (KeyError, TypeError, AttributeError) as err:
         raise CliError(f"{args.snapshot!r}: a trace entry lacks a field or has one of the wrong type "
                        f"({type(err).__name__}: {err})") from None
@@ -470,16 +486,25 @@ def _cmd_view(args) -> int:
         return 0
     from pyalloc.report_html import view_page
 
-    page = view_page(view)
-    _write_html(args.output, page, "-o")
+    size = _write_html(args.output, view_page(view), "-o")
     series = view.peak_series
     value, event = view.peaks[series]
-    print(f"{args.output}: {len(page.encode()) / 1e6:.2f} MB; peak {series} {format_bytes(value)} "
+    print(f"{args.output}: {size / 1e6:.2f} MB; peak {series} {format_bytes(value)} "
           f"at event {event:,}" + (f"; {len(view.ooms):,} out-of-memory events" if view.ooms else ""))
     return 0
 
 
 # -- entry point ------------------------------------------------------------------------------------
+
+def _add_max_input_size(parser) -> None:
+    from pyalloc.snapshot import DEFAULT_MAX_BYTES
+
+    parser.add_argument("--max-input-size", type=_size_arg, default=DEFAULT_MAX_BYTES, metavar="SIZE",
+                        help="read snapshot files, and the pickle a .gz decompresses to, of at most "
+                             f"this size (default {DEFAULT_MAX_BYTES >> 30}GiB, ~14 million "
+                             "trace entries; loading takes about 5 times the pickle's size in "
+                             "memory), so that a gzip bomb or /dev/zero stops with one line")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from pyalloc import __version__
@@ -511,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", type=_device_arg, default=0, metavar="N",
                         help="which device's trace to replay (default 0)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_max_input_size(common)
 
     p = sub.add_parser("replay", parents=[common], epilog=EXIT_STATUSES,
                        formatter_class=_HelpFormatter,
@@ -574,8 +600,45 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", default=None, metavar="PATH", help="write the HTML page here")
     v.add_argument("--device", type=_device_arg, default=0, metavar="N",
                    help="which device's trace to show (default 0)")
+    _add_max_input_size(v)
     v.set_defaults(func=_cmd_view)
     return parser
+
+
+class _Stdout:
+    """sys.stdout while a command runs: a failed write or flush (a full disk: `> /dev/full`)
+    becomes CliError, one line like -o's, instead of a traceback. BrokenPipeError passes
+    through: a reader that went away (`| head`) is not an error to report."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guard(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise _StdoutError(f"cannot write to standard output: {err.strerror or err}") from None
+
+    def write(self, text):
+        return self._guard(self._stream.write, text)
+
+    def flush(self):
+        return self._guard(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _quiet_stdout() -> None:
+    # Point stdout at devnull, so that the interpreter's final flush of what could not be
+    # written does not raise again (Python's documented recipe for a closed pipe).
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # stdout has no descriptor (a test's capture)
+        pass
 
 
 def main(argv=None) -> int:
@@ -585,19 +648,31 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit:   # --help, or a usage error argparse has already reported
         return exit.code if isinstance(exit.code, int) else 2
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)
     try:
-        return args.func(args)
+        return _run(args)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(args) -> int:
+    """args.func(args), its output flushed, with every failure as one line and its exit status."""
+    try:
+        status = args.func(args)
+        sys.stdout.flush()       # a full disk shows here, while the error can still be reported
+        return status
     except CliError as err:
+        if isinstance(err, _StdoutError):
+            _quiet_stdout()
         print(f"pyalloc: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pyalloc: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # Whoever read the output (`| head`) has gone: stop quietly. Pointing stdout at devnull
-        # keeps the interpreter's final flush from raising again (Python's documented recipe).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # Whoever read the output (`| head`) has gone: stop quietly.
+        _quiet_stdout()
         return 1
 
 

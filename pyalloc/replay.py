@@ -190,11 +190,18 @@ def _settings_key(settings):
 
 
 def own_config(snapshot):
-    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say)."""
+    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say);
+    SnapshotError when it is stored as something other than a string (PyTorch writes a str)."""
     settings = snapshot.get("allocator_settings")
     if not isinstance(settings, dict):
         return ""
-    return settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    config = settings.get("PYTORCH_CUDA_ALLOC_CONF")
+    if config is None:
+        return ""
+    if not isinstance(config, str):
+        raise SnapshotError(f"corrupt snapshot: allocator_settings['PYTORCH_CUDA_ALLOC_CONF'] is "
+                            f"{type(config).__name__} {config!r:.80}, expected the setting string")
+    return config
 
 
 def same_settings(config, other):
@@ -317,6 +324,19 @@ class RecordedOom:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.update(cached_free=self.cached_free, consistent=self.consistent)
         return out
+
+
+def implied_device_memory(oom):
+    """The device (bytes) to replay a run on when none is given: oom.device_memory, the largest
+    device consistent with its recorded OOM. SnapshotError when that is below one byte (an oom
+    entry with nothing reserved and 0 bytes free on the device: the run could hold no memory,
+    and no simulated device is that small); the caller must then be told the device size."""
+    if oom.device_memory < 1:
+        raise SnapshotError(
+            f"its oom entry {oom.index:,} records {oom.device_free:,} bytes free on the device with "
+            f"{oom.reserved:,} bytes reserved: the run could hold no memory at all, which no device "
+            "size reproduces; give the device's size (--device-memory)")
+    return oom.device_memory
 
 
 def has_oom_entries(entries):
@@ -569,7 +589,7 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
     if empty_cache_calls is None:
         if device_memory is None:
             oom = recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
-            device_memory = oom.device_memory if oom is not None else DEFAULT_DEVICE_MEMORY
+            device_memory = implied_device_memory(oom) if oom is not None else DEFAULT_DEVICE_MEMORY
         empty_cache_calls = classify_releases(snapshot, device=device, memory_fraction=memory_fraction,
                                               device_memory=device_memory)
     fraction = memory_fraction if memory_fraction is not None and memory_fraction < 1.0 else 1.0

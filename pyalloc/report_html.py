@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 
 from pyalloc.errors import format_bytes
 
@@ -31,8 +32,17 @@ SERIES_COLOURS = {"reserved": "#2563eb", "allocated": "#ea580c", "requested": "#
 STATE_COLOURS = {"allocated": "#1d4ed8", "pending_free": "#f59e0b", "free": "#e2e8f0"}
 
 
+# A lone surrogate (from a str that was never valid Unicode: a pickled '\ud800') has no UTF-8
+# form; the page shows it as the escape Python would write.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _visible_surrogate(match):
+    return f"\\u{ord(match.group()):04x}"
+
+
 def _esc(text):
-    return html.escape(str(text), quote=True)
+    return html.escape(_SURROGATE.sub(_visible_surrogate, str(text)), quote=True)
 
 
 def _json(data):
@@ -48,16 +58,55 @@ def _tag_label(tag):
     return tag if tag else "(no tag)"
 
 
-def _frames_html(frames, limit):
-    if not frames:
-        return '<span class="muted">no stack recorded</span>'
-    shown = frames[:limit]
-    first = shown[0]
-    lines = "\n".join(f"{f.get('name', '?')}  {f.get('filename', '?')}:{f.get('line', '?')}" for f in shown)
-    more = f"\n... {len(frames) - limit} more frames" if len(frames) > limit else ""
-    return (f"<details><summary>{_esc(first.get('name', '?'))} "
-            f"<span class=\"muted\">{_esc(os.path.basename(str(first.get('filename', '?'))))}:"
-            f"{_esc(first.get('line', '?'))}</span></summary><pre>{_esc(lines + more)}</pre></details>")
+# A tag is written into the markup several times (legend, tables, rows): longer ones are cut
+# there, with the count of what was cut; the page's JSON holds each in full once.
+MARKUP_TAG_CHARS = 200
+
+
+def _short_tag(tag):
+    """_tag_label(tag), cut to MARKUP_TAG_CHARS characters with a note of how many more it has."""
+    label = _tag_label(tag)
+    if len(label) <= MARKUP_TAG_CHARS:
+        return label
+    return f"{label[:MARKUP_TAG_CHARS]}... ({len(label) - MARKUP_TAG_CHARS:,} more characters)"
+
+
+class _StackTable:
+    """The stacks a page shows, for its JSON: each distinct string (frame name, file name) once in
+    `strings`, each distinct stack once in `stacks` as [[name, filename, line], ...] (string
+    indices; at most `limit` frames, then the count of the rest). The rows that show a stack
+    carry only its index, and the page's script writes the stack out: a stack shared by many rows,
+    or a name repeated in many stacks, is stored once however long it is."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.strings, self.stacks = [], []
+        self._string_index, self._stack_index = {}, {}
+
+    def _string(self, text):
+        index = self._string_index.get(text)
+        if index is None:
+            index = self._string_index[text] = len(self.strings)
+            self.strings.append(text)
+        return index
+
+    def index(self, frames):
+        """The index of `frames` (PyTorch frame dicts, innermost first) in `stacks`."""
+        key = id(frames)      # entries of one stack share its list
+        index = self._stack_index.get(key)
+        if index is None:
+            shown = [[self._string(str(f.get("name", "?"))), self._string(str(f.get("filename", "?"))),
+                      f.get("line", "?")] for f in frames[:self.limit]]
+            index = self._stack_index[key] = len(self.stacks)
+            self.stacks.append({"frames": shown, "more": max(0, len(frames) - self.limit)})
+        return index
+
+    def cell(self, frames):
+        """The table cell of a stack: its index for the script, and words for a reader without it."""
+        if not frames:
+            return '<td class="frames"><span class="muted">no stack recorded</span></td>'
+        return (f'<td class="frames" data-stack="{self.index(frames)}"><span class="muted">'
+                f'{len(frames):,} frames (shown with JavaScript)</span></td>')
 
 
 def _page(title, body, data, script):
@@ -65,15 +114,16 @@ def _page(title, body, data, script):
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>{_esc(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n"
             f"<div id=\"tip\" role=\"tooltip\"></div>\n"
-            f"<noscript><p class=\"note\">The charts need JavaScript; the tables below do not.</p></noscript>\n"
+            f"<noscript><p class=\"note\">The charts and the stacks need JavaScript; the tables below do not.</p></noscript>\n"
             f"<script type=\"application/json\" id=\"data\">{_json(data)}</script>\n"
             f"<script>{_JS_COMMON}{script}</script>\n</body></html>\n")
 
 
 def write(path, text):
-    """Write a page; OSError when the file cannot be written."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    """Write a page as UTF-8, atomically (a failure leaves an old file at `path` whole); returns
+    the bytes written. OSError when the file cannot be written."""
+    from pyalloc.snapshot import write_atomically
+    return write_atomically(path, text.encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------- pyalloc view
@@ -123,6 +173,9 @@ def view_page(view, title=None):
                 tags.append(a.tag)
     tag_index = {t: i for i, t in enumerate(tags)}
     colours = _tag_colours(tags)
+    stacks = _StackTable(MAX_FRAMES)
+    top_stacks = [stacks.cell(a.frames) for a in view.top]
+    oom_stacks = [stacks.cell(o.frames) for o in view.ooms[:200]]
     data = {
         "n": view.events, "bucket": view.bucket, "x": view.starts, "t": view.times_ms,
         "series": [{"name": s, "lo": view.lo[s], "hi": view.hi[s], "colour": SERIES_COLOURS[s]}
@@ -133,6 +186,7 @@ def view_page(view, title=None):
         "tags": [_tag_label(t) for t in tags], "tagColours": colours,
         "stateColours": STATE_COLOURS,
         "moments": [_moment_data(m, tag_index) for m in view.moments],
+        "strings": stacks.strings, "stacks": stacks.stacks,
     }
 
     def when(event):
@@ -180,7 +234,7 @@ def view_page(view, title=None):
             f'<div class="maphost" data-moment="{m.name}"></div></div>')
     state_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(k.replace("_", " "))}'
                            f'</span>' for k, c in STATE_COLOURS.items())
-    tag_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(_tag_label(t))}</span>'
+    tag_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(_short_tag(t))}</span>'
                          for t, c in zip(tags, colours))
 
     peak_label = f"{view.peak_moment.title} ({when(view.peak_moment.event)})"
@@ -188,10 +242,10 @@ def view_page(view, title=None):
     for rank, a in enumerate(view.top, 1):
         rows.append(f'<tr><td class="num">{rank}</td>{_bytes_cell(a.size)}{_bytes_cell(a.requested)}'
                     f'<td><span class="sw" style="background:{colours[tag_index[a.tag]]}"></span>'
-                    f'{_esc(_tag_label(a.tag))}</td>'
+                    f'{_esc(_short_tag(a.tag))}</td>'
                     f'<td class="num">{_esc(when(a.start) if a.start >= 0 else "before the trace")}</td>'
                     f'<td class="mono">0x{a.addr:x}</td><td>{a.stream}</td>'
-                    f'<td class="frames">{_frames_html(a.frames, MAX_FRAMES)}</td></tr>')
+                    f'{top_stacks[rank - 1]}</tr>')
     top_html = (f'<table id="top-table"><thead><tr><th>#</th><th>block</th><th>requested</th><th>tag</th>'
                 f'<th>allocated at</th><th>address</th><th>stream</th><th>stack (innermost first)</th></tr>'
                 f'</thead><tbody>{"".join(rows)}</tbody></table>' if rows
@@ -202,8 +256,8 @@ def view_page(view, title=None):
 
     peak_total = sum(b for _, b, _, _ in view.tags) or 1
     tag_rows = "".join(
-        f'<tr data-tag="{_esc(t)}"><td><span class="sw" style="background:{colours[tag_index[t]]}"></span>'
-        f'{_esc(_tag_label(t))}</td>{_bytes_cell(b)}<td class="num">{100 * b / peak_total:.1f}%</td>'
+        f'<tr data-tag="{_esc(_short_tag(t) if t else "")}"><td><span class="sw" style="background:{colours[tag_index[t]]}"></span>'
+        f'{_esc(_short_tag(t))}</td>{_bytes_cell(b)}<td class="num">{100 * b / peak_total:.1f}%</td>'
         f'{_bytes_cell(p)}<td class="num">{c:,}</td></tr>' for t, b, p, c in view.tags)
     tags_html = (f'<table id="tag-table"><thead><tr><th>tag (user_metadata)</th><th>at the peak</th>'
                  f'<th>share</th><th>the tag\'s own peak</th><th>allocations</th></tr></thead>'
@@ -213,8 +267,8 @@ def view_page(view, title=None):
     if view.ooms:
         oom_rows = "".join(
             f'<tr><td class="num">{_esc(when(o.event))}</td>{_bytes_cell(o.requested)}{_bytes_cell(o.device_free)}'
-            f'<td>{o.stream}</td><td>{_esc(_tag_label(o.tag))}</td><td class="frames">{_frames_html(o.frames, MAX_FRAMES)}</td></tr>'
-            for o in view.ooms[:200])
+            f'<td>{o.stream}</td><td>{_esc(_short_tag(o.tag))}</td>{cell}</tr>'
+            for o, cell in zip(view.ooms[:200], oom_stacks))
         more = (f'<p class="muted">{len(view.ooms) - 200:,} more not listed</p>' if len(view.ooms) > 200 else "")
         oom_html = (f'<section id="ooms"><h2>Out of memory</h2><table id="oom-table"><thead><tr><th>when</th>'
                     f'<th>requested</th><th>free on the device</th><th>stream</th><th>tag</th><th>stack</th></tr>'
@@ -594,6 +648,21 @@ function drawMoment(m, host) {
   });
   svg.addEventListener("mouseleave", hideTip);
 }
+function stackLine(f) { return `${D.strings[f[0]]}  ${D.strings[f[1]]}:${f[2]}`; }
+function drawStacks() {          // each td.frames[data-stack] gets its stack from D.stacks
+  for (const td of document.querySelectorAll("td.frames[data-stack]")) {
+    const st = D.stacks[+td.dataset.stack], first = st.frames[0];
+    const details = document.createElement("details"), summary = document.createElement("summary");
+    const where = document.createElement("span"), pre = document.createElement("pre");
+    summary.textContent = D.strings[first[0]] + " ";
+    where.className = "muted";
+    where.textContent = `${D.strings[first[1]].split("/").pop()}:${first[2]}`;
+    summary.appendChild(where);
+    pre.textContent = st.frames.map(stackLine).join("\n") + (st.more ? `\n... ${st.more} more frames` : "");
+    details.append(summary, pre);
+    td.replaceChildren(details);
+  }
+}
 function recolour() {
   const mode = document.querySelector('input[name="colour-by"]:checked').value;
   for (const [r, b] of blockRects) r.setAttribute("fill", blockFill(b, mode));
@@ -602,6 +671,7 @@ function recolour() {
   document.body.setAttribute("data-colour-by", mode);
 }
 drawTimeline();
+drawStacks();
 for (const host of document.querySelectorAll(".maphost")) {
   const m = D.moments.find(m => m.name === host.getAttribute("data-moment"));
   if (m) drawMoment(m, host);

@@ -45,7 +45,7 @@ from pyalloc.errors import format_bytes
 from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
                             check_trace, classify_releases, fit_device_memory, looks_wrapped,
                             recorded_oom, replay, roomy_device, trace_entries)
-from pyalloc.replay import gc_without_fraction
+from pyalloc.replay import gc_without_fraction, implied_device_memory, own_config
 from pyalloc._replay import trace_flags
 from pyalloc.snapshot import load
 
@@ -118,11 +118,8 @@ def unsupported_reason(config: str) -> str | None:
 
 
 def recorded_config(snapshot: dict) -> str:
-    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say)."""
-    settings = snapshot.get("allocator_settings")
-    if not isinstance(settings, dict):
-        return ""
-    return settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with (replay.own_config)."""
+    return own_config(snapshot)
 
 
 @dataclass
@@ -282,7 +279,8 @@ def _slim(snapshot: dict) -> dict:
 def _init_worker(source):
     """Pool initializer: load the trace once per worker (a path, or a snapshot dict)."""
     global _worker_snapshot
-    _worker_snapshot = _slim(load(source) if not isinstance(source, dict) else source)
+    # No size limit: tune's own process has loaded this very file within the caller's limit.
+    _worker_snapshot = _slim(load(source, max_bytes=None) if not isinstance(source, dict) else source)
 
 
 def _replay_job(job):
@@ -424,7 +422,7 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
            if has_ooms else None)
     derived = device_memory is None and oom is not None
     if device_memory is None:
-        device_memory = oom.device_memory if oom is not None else DEFAULT_DEVICE_MEMORY
+        device_memory = implied_device_memory(oom) if oom is not None else DEFAULT_DEVICE_MEMORY
 
     rows: list[TuneRow] = []
     baseline = TuneRow(own, "recorded", own=True)

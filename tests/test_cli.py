@@ -686,7 +686,7 @@ def test_every_size_option_is_read_by_parse_size():
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sized = [(name, action) for name, sub in subparsers.choices.items() for action in sub._actions
              if action.metavar == "SIZE"]
-    assert {name for name, _ in sized} == {"replay", "tune"}
+    assert {name for name, _ in sized} == {"replay", "tune", "view"}
     assert all(action.type is cli._size_arg for _, action in sized)
 
 
