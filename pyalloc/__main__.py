@@ -253,6 +253,12 @@ def _wrapped_warning(wrapped) -> None:
               "recorded window. Record with a larger max_entries to see the whole run.")
 
 
+def _first_clause(err) -> str:
+    """An exception's message up to its first ';' (the simulated device's overlap message goes on
+    to explain itself at length)."""
+    return str(err).split(";")[0]
+
+
 def _pct(part, whole):
     return f"{100.0 * part / whole:.2f}%" if whole else "-"
 
@@ -330,21 +336,32 @@ def _cmd_replay(args) -> int:
     if oom is not None and not args.json:
         for text in recorded_oom_lines(oom, len(entries), device_memory, derived, fraction):
             print(text)
-    with _Progress("replay", "ev") as bar:
-        try:
+    def run(placement):
+        with _Progress("replay", "ev") as bar:
             # --dump records the replay's own history: its snapshot is a timeline of the replay.
-            result = replay(snapshot, config=config, placement=placement, device_memory=device_memory,
-                            device=args.device, progress=bar, history=bool(args.dump),
-                            memory_fraction=args.memory_fraction)
-        except SnapshotError as err:   # a corrupt trace entry
-            raise CliError(f"{args.trace}: {err}") from None
+            return replay(snapshot, config=config, placement=placement, device_memory=device_memory,
+                          device=args.device, progress=bar, history=bool(args.dump),
+                          memory_fraction=args.memory_fraction)
+
+    try:
+        try:
+            result = run(placement)
         except RuntimeError as err:
             if placement != "recorded":
                 raise
             # The simulated device refuses a recorded address that overlaps a live segment: the
-            # trace's segment sequence does not fit this replay.
-            raise CliError(f"replay at the trace's addresses failed ({err}); "
-                           "try --placement fresh") from None
+            # trace's segment sequence does not fit this replay (a device or fraction other than
+            # the run's changes the segments it frees). Asked for, that is an error; chosen by
+            # default, fresh placement replays it, as tune and recorded_oom do.
+            if args.placement == "recorded":
+                raise CliError(f"replay at the trace's addresses failed ({err}); "
+                               "try --placement fresh") from None
+            _warn(f"the trace's addresses do not fit this replay ({_first_clause(err)}): replayed "
+                  "with fresh placement instead")
+            placement = "fresh"
+            result = run(placement)
+    except SnapshotError as err:   # a corrupt trace entry
+        raise CliError(f"{args.trace}: {err}") from None
     if args.dump:
         _write_dump(result.snapshot, args.dump)
     _wrapped_warning(result.wrapped)

@@ -1063,3 +1063,19 @@ def test_replay_derives_the_same_device_from_an_oom_whether_the_fraction_is_in_c
     in_config, _ = run_json(capsys, "replay", path, "--config", f"per_process_memory_fraction:{fraction!r}")
     assert in_config["device_memory_derived"] and option["device_memory_derived"]
     assert in_config["device_memory"] == option["device_memory"]
+
+
+# -- issue 27: the command line ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["oracle-max-split-size-mb-64", "gc-fraction"])
+def test_replay_without_options_falls_back_to_fresh_placement_where_the_addresses_do_not_fit(capsys, name):
+    data, err = run_json(capsys, "replay", TRACES / "oom" / f"{name}.pickle.gz")
+    assert data["placement"] == "fresh"
+    assert [line for line in err.splitlines() if "addresses do not fit" in line] != []
+    assert "replayed with fresh placement" in err
+
+
+def test_replay_asked_for_recorded_placement_still_refuses_addresses_that_do_not_fit(capsys):
+    path = TRACES / "oom" / "oracle-max-split-size-mb-64.pickle.gz"
+    rc, _, err = run(capsys, "replay", path, "--placement", "recorded")     # stdout: the recorded OOM
+    assert rc == 2 and err.count("\n") == 1 and "try --placement fresh" in err
