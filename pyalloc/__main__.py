@@ -420,7 +420,7 @@ def _cmd_replay(args) -> int:
 def _cmd_tune(args) -> int:
     from pyalloc.config import ConfigError, CudaAllocatorConfig
     from pyalloc.snapshot import SnapshotError
-    from pyalloc.tune import format_report, tune
+    from pyalloc.tune import format_report, report_width, tune
 
     for text in args.config or ():
         try:
@@ -444,7 +444,7 @@ def _cmd_tune(args) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
-        print(format_report(result))
+        print(format_report(result, report_width()))
     if args.html:
         _write_tune_html(args.html, result, snapshot, quiet=args.json)
     if result.best is None:

@@ -337,7 +337,8 @@ def tune_page(result, curves, title=None):
     else:
         if not result.best_avoids_oom:
             verdict = (f"Every setting ran out of memory on a {format_bytes(result.device_memory)} device; "
-                       "this one had the fewest out-of-memory events.")
+                       + ("this one needs the smallest device (--fit)." if result.fit
+                          else "this one had the fewest out-of-memory events."))
         elif best.own:
             verdict = "The trace's own setting is already the best of this grid."
         else:

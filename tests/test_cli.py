@@ -717,22 +717,34 @@ def table_rows(out):
     return rows
 
 
-def table_settings(out):
-    """The setting column of tune's table, in order, with each row's continuation lines joined."""
+def table_setting_lines(out):
+    """Each row's setting as tune's table shows it, a list of its lines (stripped): from the
+    setting column, or, where the table puts settings under the figures, from the lines below."""
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("#"))
-    col = lines[head].index("setting")
+    named = re.match(r"#\s+setting\b", lines[head])     # ("own setting" names another column)
+    col = named.end() - len("setting") if named else -1
     settings = []
     for line in lines[head + 2:]:
         if set(line) == {"-"}:
             break
         if line.startswith("-"):          # the divider above the settings that ran out of memory
             continue
-        if line[:col].strip():
-            settings.append(line[col:].split()[0])
+        if col < 0:                       # settings under each row's figures
+            if line[:1].isdigit():
+                settings.append([])
+            else:
+                settings[-1].append(line.strip())
+        elif line[:col].strip():
+            settings.append([line[col:].split()[0]])
         else:
-            settings[-1] += line[col:].strip()
+            settings[-1].append(line[col:].strip())
     return settings
+
+
+def table_settings(out):
+    """The settings of tune's table, in order, each row's lines joined."""
+    return ["".join(parts) for parts in table_setting_lines(out)]
 
 
 def tune_json(capsys, path, *extra):
@@ -1079,3 +1091,52 @@ def test_replay_asked_for_recorded_placement_still_refuses_addresses_that_do_not
     path = TRACES / "oom" / "oracle-max-split-size-mb-64.pickle.gz"
     rc, _, err = run(capsys, "replay", path, "--placement", "recorded")     # stdout: the recorded OOM
     assert rc == 2 and err.count("\n") == 1 and "try --placement fresh" in err
+
+
+ORACLE_DEFAULT = TRACES / "oom" / "oracle-default.pickle.gz"
+
+
+def tune_text(capsys, monkeypatch, columns, *argv):
+    """tune's text report with $COLUMNS set to `columns` (None: unset)."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(columns))
+    rc, out, err = run(capsys, "tune", *argv, "--jobs", "1")
+    assert rc == 0, err
+    return out
+
+
+def test_tune_fit_report_on_an_oom_trace_fits_100_columns_without_columns_set(capsys, monkeypatch):
+    out = tune_text(capsys, monkeypatch, None, ORACLE_DEFAULT, "--fit")
+    lines = out.rstrip("\n").splitlines()
+    assert [l for l in lines[:-1] if len(l) > 100] == []
+
+
+def test_tune_report_uses_the_room_columns_gives_it(capsys, monkeypatch):
+    out = tune_text(capsys, monkeypatch, 170, ORACLE_DEFAULT, "--fit")
+    lines = out.rstrip("\n").splitlines()
+    assert [l for l in lines[:-1] if len(l) > 170] == []
+    assert all(len(parts) == 1 for parts in table_setting_lines(out))      # room for every setting
+
+
+@pytest.mark.parametrize("columns", [None, 120, 170])
+def test_tune_table_breaks_settings_only_after_commas(capsys, monkeypatch, columns):
+    out = tune_text(capsys, monkeypatch, columns, ORACLE_DEFAULT, "--fit")
+    for parts in table_setting_lines(out):
+        pieces = re.split(r"(?<=,)", "".join(parts))
+        assert all(p.endswith(",") for p in parts[:-1]), parts
+        assert len(parts) <= len(pieces)
+
+
+def test_tune_fit_ranks_out_of_memory_rows_by_the_device_they_need(capsys):
+    data, _ = run_json(capsys, "tune", ORACLE_DEFAULT, "--fit", "--jobs", "1")
+    needs = [r["fit_memory"] for r in data["results"] if r["num_ooms"]]
+    assert len(set(needs)) > 1
+    assert needs == sorted(needs, key=lambda n: float("inf") if n is None else n)
+
+
+def test_tune_report_says_1_byte_and_1_event_in_the_singular(capsys, monkeypatch):
+    out = tune_text(capsys, monkeypatch, None, ORACLE_DEFAULT, "--fit")
+    assert "no -1 byte " in out and "-1 bytes" not in out
+    assert "1 OUT-OF-MEMORY event" in out and "1 OUT-OF-MEMORY events" not in out
