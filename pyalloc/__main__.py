@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 from fractions import Fraction
 
 # Units of sizes (case-insensitive): B, KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB
@@ -73,6 +74,8 @@ def parse_size(text: str) -> int:
     if scale is None:
         raise ValueError(f"invalid size {text!r}: unknown unit {unit!r}; use {_UNIT_NAMES}")
     value = Fraction(number) * scale
+    if value == 0:           # no unit makes nothing bigger: suggesting '0GiB' would be refused too
+        raise ValueError(f"invalid size {text!r}: the device needs at least one byte")
     if not unit:
         # GPU sizes are tens of GiB: a small number was meant in GiB, a larger one in MiB.
         guess = f"{number}GiB (or {number}GB)" if value <= 4096 else f"{number}MiB"
@@ -266,10 +269,8 @@ def _pct(part, whole):
 # -- replay -----------------------------------------------------------------------------------------
 
 def _check_dump_path(path: str) -> None:
-    """CliError, before any work, when --dump's folder does not exist."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise CliError(f"--dump {path!r}: folder {folder!r} does not exist")
+    """CliError, before any work, when --dump's folder does not exist or the path is a folder."""
+    _check_output_path(path, "--dump", "replay.pickle")
 
 
 def _write_dump(snapshot: dict, path: str) -> None:
@@ -286,7 +287,8 @@ def _cmd_replay(args) -> int:
     from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, fraction_in_force, gc_without_fraction,
                                 has_oom_entries, implied_device_memory, recorded_oom, replay)
     from pyalloc.snapshot import SnapshotError
-    from pyalloc.tune import _settings_key, recorded_config, recorded_oom_lines
+    from pyalloc.tune import (_settings_key, bytes_words, recorded_config, recorded_oom_lines,
+                              report_width)
 
     snapshot, entries = _load_trace(args.trace, args.device, args.max_input_size)
     own = recorded_config(snapshot)
@@ -334,7 +336,8 @@ def _cmd_replay(args) -> int:
               "empty_cache() calls. If the run called torch.cuda.set_per_process_memory_fraction, "
               "pass that fraction as --memory-fraction.")
     if oom is not None and not args.json:
-        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, fraction):
+        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, fraction,
+                                       report_width()):
             print(text)
     def run(placement):
         with _Progress("replay", "ev") as bar:
@@ -373,9 +376,12 @@ def _cmd_replay(args) -> int:
         print(json.dumps(_json_safe(out)))
         return 0
     r = result
+    width = report_width()
 
     def line(name, value):
-        print(f"{name + ':':<24}{value}")
+        # Wrapped under its own column (a path or a number is never broken).
+        print(textwrap.fill(f"{name + ':':<24}{value}", width, subsequent_indent=" " * 24,
+                            break_long_words=False, break_on_hyphens=False))
 
     line("trace", f"{args.trace} ({r.events:,} events, {r.allocations:,} allocations, device {args.device})")
     line("setting", (config or "(defaults)") + ("  (the trace's own)" if config == own else ""))
@@ -398,8 +404,8 @@ def _cmd_replay(args) -> int:
         "  (each failed allocation was skipped, and the replay went on)" if r.num_ooms else ""))
     if r.oom_requests:
         first = r.oom_requests[0]
-        words = (f"fits, {format_bytes(first.margin)} to spare" if first.fits
-                 else f"out of memory again, {format_bytes(-first.margin)} short")
+        words = (f"fits, {bytes_words(first.margin)} to spare" if first.fits
+                 else f"out of memory again, {bytes_words(-first.margin)} short")
         line("recorded OOM's request", f"{words}; {r.oom_requests_fitting:,} of "
                                        f"{len(r.oom_requests):,} oom requests fit (each freed at once)")
     line("empty_cache calls", f"{r.empty_cache_calls:,}  (segment-free runs replayed as calls; the "
@@ -456,12 +462,18 @@ def _cmd_tune(args) -> int:
 
 # -- view -------------------------------------------------------------------------------------------
 
-def _check_html_path(path: str, what: str) -> None:
+def _check_output_path(path: str, what: str, example: str) -> None:
+    """CliError, before any work, when the output file `path` of option `what` cannot be made:
+    its folder does not exist, or it is a folder itself (`example` names a file to give)."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise CliError(f"{what} {path!r}: folder {folder!r} does not exist")
     if os.path.isdir(path):
-        raise CliError(f"{what} {path!r} is a folder; give a file name such as report.html")
+        raise CliError(f"{what} {path!r} is a folder; give a file name such as {example}")
+
+
+def _check_html_path(path: str, what: str) -> None:
+    _check_output_path(path, what, "report.html")
 
 
 def _write_html(path: str, text: str, what: str) -> int:
@@ -486,6 +498,7 @@ def _write_tune_html(path: str, result, snapshot, quiet: bool) -> None:
 def _cmd_view(args) -> int:
     from pyalloc.errors import format_bytes
     from pyalloc.snapshot import SnapshotError
+    from pyalloc.tune import count_words, report_width
     from pyalloc.view import analyze, format_summary
 
     if args.output:
@@ -499,7 +512,7 @@ def _cmd_view(args) -> int:
         raise CliError(f"{args.snapshot!r}: a trace entry lacks a field or has one of the wrong type "
                        f"({type(err).__name__}: {err})") from None
     if not args.output:
-        print(format_summary(view))
+        print(format_summary(view, width=report_width()))
         return 0
     from pyalloc.report_html import view_page
 
@@ -507,7 +520,8 @@ def _cmd_view(args) -> int:
     series = view.peak_series
     value, event = view.peaks[series]
     print(f"{args.output}: {size / 1e6:.2f} MB; peak {series} {format_bytes(value)} "
-          f"at event {event:,}" + (f"; {len(view.ooms):,} out-of-memory events" if view.ooms else ""))
+          f"at event {event:,}" + (f"; {count_words(len(view.ooms), 'out-of-memory event')}"
+                                   if view.ooms else ""))
     return 0
 
 
@@ -533,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pyalloc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = sub.choices    # name -> subparser, for errors that name its --help
 
     common = _Parser(add_help=False)
     common.add_argument("trace", metavar="TRACE",
@@ -662,7 +677,11 @@ def main(argv=None) -> int:
     """Run the command line with `argv` (default sys.argv[1:]); returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # argparse reports unknown options from the top-level parser; the help that lists
+            # the options of the command given is that command's.
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exit:   # --help, or a usage error argparse has already reported
         return exit.code if isinstance(exit.code, int) else 2
     stdout = sys.stdout

@@ -454,8 +454,8 @@ function fmtBytes(b) {
     if (Math.abs(b) >= s) return (b / s).toFixed(2) + " " + u;
   return b + " B";
 }
-function fmtTime(ms) {
-  if (ms < 10) return (ms * 1000).toFixed(0) + " us";
+function fmtTime(ms) {          // pyalloc.view.format_ms
+  if (ms < 1) return (ms * 1000).toFixed(0) + " us";
   if (ms < 1000) return ms.toFixed(2) + " ms";
   return (ms / 1000).toFixed(3) + " s";
 }

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from dataclasses import dataclass, field
 
 from pyalloc.errors import format_bytes
@@ -586,8 +587,10 @@ def _tag_label(tag):
 
 
 def format_ms(ms):
-    """A time after the trace's first event: microseconds, milliseconds or seconds."""
-    if ms < 10:
+    """A time after the trace's first event, given in milliseconds, in the unit of its size:
+    microseconds below 1 ms, milliseconds below 1 s, seconds above ('640 us', '2.46 ms',
+    '2.844 s'), so that times of one size read alike in every trace (the page's fmtTime agrees)."""
+    if ms < 1:
         return f"{ms * 1000:.0f} us"
     if ms < 1000:
         return f"{ms:.2f} ms"
@@ -629,10 +632,11 @@ def terminal_safe(text):
     return _UNPRINTABLE.sub(_escape_char, text)
 
 
-def format_summary(view, top_tags=5):
+def format_summary(view, top_tags=5, width=100):
     """The terminal summary of `pyalloc view` without -o: peaks and when, OOMs, top tags. Its
     lines hold the trace's own strings (path, setting, tags), each line passed through
-    terminal_safe."""
+    terminal_safe and wrapped at `width` columns (continuations indented by 4; a path or a word
+    longer than that is not broken)."""
     out = [f"{view.path or 'snapshot'}: {view.events:,} events on device {view.device}, "
            f"setting {view.config or '(defaults)'}"]
     for name in SERIES:
@@ -654,7 +658,8 @@ def format_summary(view, top_tags=5):
             f"{_tag_label(t)} {format_bytes(b)}" for t, b, _, _ in shown))
     for note in view.notes:
         out.append("note: " + note)
-    return "\n".join(terminal_safe(line) for line in out)
+    return "\n".join(textwrap.fill(terminal_safe(line), width, subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False) for line in out)
 
 
 # ------------------------------------------------------------------------------- tune's curves

@@ -1140,3 +1140,51 @@ def test_tune_report_says_1_byte_and_1_event_in_the_singular(capsys, monkeypatch
     out = tune_text(capsys, monkeypatch, None, ORACLE_DEFAULT, "--fit")
     assert "no -1 byte " in out and "-1 bytes" not in out
     assert "1 OUT-OF-MEMORY event" in out and "1 OUT-OF-MEMORY events" not in out
+
+
+def test_unknown_option_after_a_command_points_at_that_commands_help(capsys, trace_file):
+    assert_one_line_error(*run(capsys, "replay", trace_file, "--bogus"),
+                          "unrecognized arguments: --bogus", "(see pyalloc replay --help)")
+
+
+def test_device_memory_of_zero_is_refused_without_suggesting_a_zero_size(capsys, trace_file):
+    rc, out, err = run(capsys, "replay", trace_file, "--device-memory", "0")
+    assert_one_line_error(rc, out, err, "at least one byte")
+    assert "0GiB" not in err
+
+
+def test_unknown_config_key_names_the_nearest_key_in_a_short_line(capsys, trace_file):
+    rc, out, err = run(capsys, "replay", trace_file, "--config", "garbage")
+    assert_one_line_error(rc, out, err, "did you mean 'garbage_collection_threshold'?")
+    assert len(err) < 200 and "pinned_" not in err
+
+
+def test_dump_into_a_folder_says_it_is_a_folder_as_o_does(capsys, trace_file, tmp_path):
+    assert_one_line_error(*run(capsys, "replay", trace_file, "--dump", tmp_path),
+                          "is a folder; give a file name")
+
+
+def test_replay_report_lines_fit_100_columns(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rc, out, err = run(capsys, "replay", ORACLE_DEFAULT)
+    assert rc == 0, err
+    assert [l for l in out.splitlines() if len(l) > 100] == []
+
+
+def test_replay_says_1_byte_short_in_the_singular(capsys):
+    rc, out, _ = run(capsys, "replay", ORACLE_DEFAULT)
+    assert "1 byte short" in out and "1 bytes" not in out
+
+
+def test_view_summary_lines_fit_100_columns(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rc, out, err = run(capsys, "view", ORACLE_DEFAULT)
+    assert rc == 0, err
+    assert [l for l in out.splitlines() if len(l) > 100] == []
+
+
+@pytest.mark.parametrize("ms, text", [(0.64, "640 us"), (2.456, "2.46 ms"), (999.0, "999.00 ms"),
+                                      (2844.0, "2.844 s")])
+def test_view_times_are_in_us_below_1_ms_ms_below_1_s_and_s_above(ms, text):
+    from pyalloc.view import format_ms
+    assert format_ms(ms) == text

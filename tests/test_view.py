@@ -595,3 +595,9 @@ def test_tune_page_hovering_a_row_picks_out_its_curve(tab, tune_page):
     tab.hover("#row-1")
     picked = tab.evaluate("[...document.querySelectorAll('#tune-svg path.curve.hl')].map(p => p.dataset.row)")
     assert picked == ["row-1"]
+
+
+def test_view_o_counts_one_oom_in_the_singular(capsys, tagged, tmp_path):
+    rc, out, err = run(capsys, "view", tagged["path"], "-o", tmp_path / "p.html")
+    assert rc == 0, err
+    assert out.rstrip().endswith("; 1 out-of-memory event")
