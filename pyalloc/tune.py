@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import re
 import shlex
+import signal
 import textwrap
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -276,9 +277,18 @@ def _slim(snapshot: dict) -> dict:
             "allocator_settings": snapshot.get("allocator_settings")}
 
 
+def _ignore_interrupts():
+    """Pool initializer: a worker ignores SIGINT. Ctrl-C reaches the whole process group; the
+    main process alone handles it, by terminating the workers (_collect), so that none prints
+    a KeyboardInterrupt traceback of its own or finishes its replay first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _init_worker(source):
-    """Pool initializer: load the trace once per worker (a path, or a snapshot dict)."""
+    """Pool initializer: ignore SIGINT, and load the trace once per worker (a path, or a
+    snapshot dict)."""
     global _worker_snapshot
+    _ignore_interrupts()
     # No size limit: tune's own process has loaded this very file within the caller's limit.
     _worker_snapshot = _slim(load(source, max_bytes=None) if not isinstance(source, dict) else source)
 
@@ -338,7 +348,7 @@ def _run_jobs(jobs, snapshot, source, workers, progress):
     # about as much as loading it.
     if snapshot is not None and "fork" in multiprocessing.get_all_start_methods():
         saved, _worker_snapshot = _worker_snapshot, _slim(snapshot)
-        pool_args = dict(mp_context=multiprocessing.get_context("fork"))
+        pool_args = dict(mp_context=multiprocessing.get_context("fork"), initializer=_ignore_interrupts)
     else:
         saved = _worker_snapshot
         pool_args = dict(initializer=_init_worker, initargs=(source,))
@@ -349,19 +359,35 @@ def _run_jobs(jobs, snapshot, source, workers, progress):
 
 
 def _collect(jobs, workers, total, progress, pool_args, results):
-    with ProcessPoolExecutor(max_workers=min(workers, total), **pool_args) as pool:
+    """Run `jobs` on a pool of `workers` processes, filling `results` by index as they finish.
+    On any exception here (Ctrl-C above all) the workers are terminated at once: leaving the
+    pool's `with` block would otherwise wait for every running replay (a --fit bisection takes
+    seconds), so Ctrl-C took as long as the slowest job to act."""
+    pool = ProcessPoolExecutor(max_workers=min(workers, total), **pool_args)
+    try:
         futures = [pool.submit(_replay_job, job) for job in jobs]
-        try:
-            for future in as_completed(futures):
-                out = future.result()
-                results[out[0]] = out
-                if progress is not None:
-                    progress(len(results), total)
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+        for future in as_completed(futures):
+            out = future.result()
+            results[out[0]] = out
+            if progress is not None:
+                progress(len(results), total)
+    except BaseException:
+        _terminate(pool)
+        raise
+    pool.shutdown()
     return results
+
+
+def _terminate(pool):
+    """Stop a ProcessPoolExecutor now: drop the queued jobs, kill the running ones, reap the
+    workers (so that none is left behind). Python 3.14 has pool.terminate_workers(); before it,
+    the worker processes are only reachable as the private `_processes`."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
 
 
 # -- the search -------------------------------------------------------------------------------------
