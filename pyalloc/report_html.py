@@ -314,6 +314,8 @@ def tune_page(result, curves, title=None):
 
     `result` is a pyalloc.tune.TuneResult; `curves` maps id(row) -> (event indices, maxima) from
     pyalloc.view.reserved_curve for the rows drawn (the ranked rows and the baseline)."""
+    from pyalloc.tune import change_words
+
     name = os.path.basename(result.trace) or "trace"
     drawn = [r for r in result.rows if id(r) in curves]
     rows_data = []
@@ -355,13 +357,14 @@ def tune_page(result, curves, title=None):
     for i, row in enumerate(drawn):
         r = row.result
         ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
-        if row.saving is None:
+        # The terminal's words ("2.29 GiB more (16.6%)"), not a signed number that reads as a
+        # saving of minus 2.29 GiB.
+        if row.own:
+            saving = "(reference)"
+        elif row.saving is None:
             saving = "-"
         else:
-            frac = row.saving_fraction
-            saving = _esc(("-" if row.saving < 0 else "+" if row.saving > 0 else "") + format_bytes(abs(row.saving)))
-            if frac is not None:
-                saving += f'<br><span class="muted">{frac:+.1%}</span>'
+            saving = _esc(change_words(row.saving, row.saving_fraction))
         cls = " ".join(c for c in ("own" if row.own else "", "best" if row is result.best else "") if c)
         cls_attr = f' class="{cls}"' if cls else ""
         body_rows.append(
@@ -393,7 +396,7 @@ the simulated device puts them); the dashed line is the trace's own setting at i
 <p class="muted">Each point is the largest reserved figure since the previous one, so every peak is drawn.
 Hover a row to pick out its curve.</p></div>
 <div><h2>Ranking</h2><table id="tune-table"><thead><tr><th></th><th>setting</th><th>peak reserved</th><th>/requested</th>
-<th>saving vs own</th><th>device allocs</th><th>OOMs</th></tr></thead><tbody>{"".join(body_rows)}</tbody></table>
+<th>vs the trace's own setting</th><th>device allocs</th><th>OOMs</th></tr></thead><tbody>{"".join(body_rows)}</tbody></table>
 <p class="muted">* the trace's own setting; savings are against its row.</p>{extra}</div></section>
 <footer class="muted">pyalloc tune of {_esc(result.trace)}</footer>"""
     return _page(title or f"pyalloc tune: {name}", body, data, _JS_TUNE)
@@ -556,7 +559,10 @@ function drawTimeline() {
   D.ooms.forEach((o, k) => {
     const g = el("g", {class: "oom-mark", "data-event": String(o[0])}, og);
     el("line", {x1: X(o[0]), x2: X(o[0]), y1: M.t - 6, y2: H - M.b}, g);
-    if (k < 12) el("text", {x: X(o[0]) + 3, y: M.t - 10}, g).textContent = "OOM";
+    // The label goes left of a marker near the right edge, which would clip it ("OO").
+    const left = X(o[0]) > W - M.r - 30;
+    if (k < 12) el("text", {x: X(o[0]) + (left ? -3 : 3), y: M.t - 10, "text-anchor": left ? "end" : "start"},
+                   g).textContent = "OOM";
   });
   svg.setAttribute("data-oom-marks", String(D.ooms.length));
   const guide = el("line", {class: "guide", y1: M.t, y2: H - M.b, x1: -10, x2: -10}, svg);
