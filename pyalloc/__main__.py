@@ -638,26 +638,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Stdout:
-    """sys.stdout while a command runs: a failed write or flush (a full disk: `> /dev/full`)
-    becomes CliError, one line like -o's, instead of a traceback. BrokenPipeError passes
-    through: a reader that went away (`| head`) is not an error to report."""
+    """sys.stdout while a command runs: a failed write or flush (a full disk: `> /dev/full`), or
+    a write to a stdout that was closed from the start, becomes CliError, one line like -o's,
+    instead of a traceback (or, when closed, of output lost without a word). BrokenPipeError
+    passes through: a reader that went away (`| head`) is not an error to report."""
 
     def __init__(self, stream):
         self._stream = stream
 
-    def _guard(self, call, *args):
+    def _guard(self, name, *args):
+        if self._stream is None:     # started with stdout closed (`>&-`): Python sets it to None
+            raise _StdoutError("cannot write to standard output: it is closed")
         try:
-            return call(*args)
+            return getattr(self._stream, name)(*args)
         except BrokenPipeError:
             raise
         except OSError as err:
             raise _StdoutError(f"cannot write to standard output: {err.strerror or err}") from None
 
     def write(self, text):
-        return self._guard(self._stream.write, text)
+        return self._guard("write", text)
 
     def flush(self):
-        return self._guard(self._stream.flush)
+        return self._guard("flush")
 
     def __getattr__(self, name):
         return getattr(self._stream, name)

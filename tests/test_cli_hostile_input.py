@@ -281,3 +281,11 @@ def test_view_page_cuts_a_long_tag_in_its_markup_and_keeps_it_whole_once(capsys,
     page = out.read_text()
     assert page.count(tag) == 1
     assert "more characters)" in page
+
+
+def test_replay_with_stdout_closed_says_so_in_one_line(tmp_path):
+    path = write(tmp_path / "t.pickle", snapshot_of(alloc_free()))
+    proc = subprocess.run([sys.executable, "-m", "pyalloc", "replay", str(path)], cwd=tmp_path,
+                          stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "pyalloc: error: cannot write to standard output: it is closed\n"
