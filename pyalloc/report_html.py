@@ -9,7 +9,10 @@ them as SVG; tables and text are plain HTML, readable without the script. Why th
 * the hover details (a bucket's range, a block's size, tag and allocation event) and the
   state / tag colouring switch need a script anyway;
 * the peaks the page shows are computed in the browser from the very arrays it draws, and written
-  into the DOM (``data-drawn-peak-*``), so a test in a real browser checks what is drawn.
+  into the DOM (``data-drawn-peak-*``), so a test in a real browser checks what is drawn;
+* size again: stacks are a table of distinct strings in the JSON, written into their cells by the
+  script (_StackTable), so that a stack shared by many rows, or a frame name of megabytes, is
+  stored once; without the script a cell gives the stack's frame count.
 
 User strings (tags, frames, settings) reach the page only through html.escape or the script's
 textContent, never as markup. Only the standard library is used.
