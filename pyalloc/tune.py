@@ -46,7 +46,7 @@ from pyalloc.errors import format_bytes
 from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
                             check_trace, classify_releases, fit_device_memory, looks_wrapped,
                             recorded_oom, replay, roomy_device, trace_entries)
-from pyalloc.replay import gc_without_fraction, implied_device_memory, own_config
+from pyalloc.replay import fraction_in_force, gc_without_fraction, implied_device_memory, own_config
 from pyalloc._replay import trace_flags
 from pyalloc.snapshot import load
 
@@ -449,7 +449,10 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     check_trace(entries, device)
     own = recorded_config(snapshot)
     has_releases, has_ooms = trace_flags(entries)
-    oom = (recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
+    # The device a recorded OOM implies is the one whose fraction gives its limit: the run's
+    # fraction, given here or in its own setting (per_process_memory_fraction).
+    oom = (recorded_oom(snapshot, device=device, memory_fraction=fraction_in_force(own, memory_fraction),
+                        check=False)
            if has_ooms else None)
     derived = device_memory is None and oom is not None
     if device_memory is None:

@@ -240,3 +240,15 @@ def test_ctrl_c_stops_tune_fit_at_once_and_leaves_no_process(tmp_path, long_trac
     assert waited < 2.0, f"took {waited:.2f} s to exit"
     left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True)
     assert left.stdout.split() == []
+
+
+def test_tune_derives_the_same_device_whether_the_runs_fraction_is_in_its_setting_or_given(tight):
+    # issue 25's fidelity defect, in tune: PyTorch applies per_process_memory_fraction at
+    # construction as set_per_process_memory_fraction does.
+    fraction = run_json("tight-fraction")["fraction"]
+    given = tune(tight, grid=None, jobs=1, snapshot=tight, memory_fraction=fraction)
+    in_setting = dict(tight, allocator_settings=dict(
+        tight["allocator_settings"], PYTORCH_CUDA_ALLOC_CONF=f"per_process_memory_fraction:{fraction!r}"))
+    found = tune(in_setting, grid=None, jobs=1, snapshot=in_setting)
+    assert found.device_memory_derived and given.device_memory_derived
+    assert found.device_memory == given.device_memory
