@@ -11,7 +11,6 @@ import resource
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,6 @@ from pyalloc import snapshot as snapshot_module
 from pyalloc.snapshot import load
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
 
 
 def entry(action="alloc", addr=1 << 30, size=4096, **fields):
