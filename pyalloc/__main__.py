@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 from fractions import Fraction
 
 # Units of sizes (case-insensitive): B, KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB
@@ -40,8 +41,9 @@ exit statuses:
   1    tune could replay none of its settings (each failed or was skipped: the report says why),
        or the output pipe closed early
   2    bad input, reported as one line on stderr: a usage error (a bad option or size), a file
-       that is not a readable snapshot, no trace for --device, a corrupt trace entry, a malformed
-       setting string or one this pyalloc cannot replay
+       that is not a readable snapshot (or larger than --max-input-size), no trace for --device,
+       a corrupt trace entry, a malformed setting string or one this pyalloc cannot replay; also
+       an output (-o, --html, --dump or stdout) that cannot be written, e.g. on a full disk
   130  interrupted (Ctrl-C)"""
 
 # A progress bar appears only for work still running after this many seconds, so quick runs
@@ -51,6 +53,10 @@ PROGRESS_DELAY_S = 1.0
 
 class CliError(Exception):
     """Bad input: printed as one line `pyalloc: error: ...` and exit status 2."""
+
+
+class _StdoutError(CliError):
+    """Standard output could not be written (a full disk): reported like an -o that cannot."""
 
 
 def parse_size(text: str) -> int:
@@ -68,6 +74,8 @@ def parse_size(text: str) -> int:
     if scale is None:
         raise ValueError(f"invalid size {text!r}: unknown unit {unit!r}; use {_UNIT_NAMES}")
     value = Fraction(number) * scale
+    if value == 0:           # no unit makes nothing bigger: suggesting '0GiB' would be refused too
+        raise ValueError(f"invalid size {text!r}: the device needs at least one byte")
     if not unit:
         # GPU sizes are tens of GiB: a small number was meant in GiB, a larger one in MiB.
         guess = f"{number}GiB (or {number}GB)" if value <= 4096 else f"{number}MiB"
@@ -189,13 +197,15 @@ def _warn(message: str) -> None:
 
 # -- shared steps -------------------------------------------------------------------------------------
 
-def _load_trace(path: str, device: int):
-    """The snapshot dict and its trace entries, or CliError with SnapshotError's message."""
-    from pyalloc.replay import trace_devices, trace_entries
+def _load_trace(path: str, device: int, max_bytes: int):
+    """The snapshot dict and its trace entries, or CliError with SnapshotError's message: also for
+    a corrupt trace entry or a setting stored as something other than a string, checked here
+    once so that no command meets them later as an exception. `max_bytes`: --max-input-size."""
+    from pyalloc.replay import check_trace, own_config, trace_devices, trace_entries
     from pyalloc.snapshot import SnapshotError, load
 
     try:
-        snapshot = load(path)
+        snapshot = load(path, max_bytes=max_bytes)
     except SnapshotError as err:
         raise CliError(str(err)) from None
     devices = trace_devices(snapshot)
@@ -206,8 +216,10 @@ def _load_trace(path: str, device: int):
                        f"(try --device {devices[0]})")
     try:
         entries = trace_entries(snapshot, device)
+        check_trace(entries, device)
+        own_config(snapshot)
     except SnapshotError as err:
-        raise CliError(str(err)) from None
+        raise CliError(f"{path}: {err}") from None
     return snapshot, entries
 
 
@@ -244,6 +256,12 @@ def _wrapped_warning(wrapped) -> None:
               "recorded window. Record with a larger max_entries to see the whole run.")
 
 
+def _first_clause(err) -> str:
+    """An exception's message up to its first ';' (the simulated device's overlap message goes on
+    to explain itself at length)."""
+    return str(err).split(";")[0]
+
+
 def _pct(part, whole):
     return f"{100.0 * part / whole:.2f}%" if whole else "-"
 
@@ -251,10 +269,8 @@ def _pct(part, whole):
 # -- replay -----------------------------------------------------------------------------------------
 
 def _check_dump_path(path: str) -> None:
-    """CliError, before any work, when --dump's folder does not exist."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise CliError(f"--dump {path!r}: folder {folder!r} does not exist")
+    """CliError, before any work, when --dump's folder does not exist or the path is a folder."""
+    _check_output_path(path, "--dump", "replay.pickle")
 
 
 def _write_dump(snapshot: dict, path: str) -> None:
@@ -268,12 +284,13 @@ def _write_dump(snapshot: dict, path: str) -> None:
 
 def _cmd_replay(args) -> int:
     from pyalloc.errors import format_bytes
-    from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, gc_without_fraction, has_oom_entries,
-                                recorded_oom, replay)
+    from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, fraction_in_force, gc_without_fraction,
+                                has_oom_entries, implied_device_memory, recorded_oom, replay)
     from pyalloc.snapshot import SnapshotError
-    from pyalloc.tune import _settings_key, recorded_config, recorded_oom_lines
+    from pyalloc.tune import (_settings_key, bytes_words, recorded_config, recorded_oom_lines,
+                              report_width)
 
-    snapshot, entries = _load_trace(args.trace, args.device)
+    snapshot, entries = _load_trace(args.trace, args.device, args.max_input_size)
     own = recorded_config(snapshot)
     if args.config is None:
         config, what = own, "the trace's own setting"
@@ -296,40 +313,58 @@ def _cmd_replay(args) -> int:
         placement = "recorded" if same else "fresh"
     if args.dump:
         _check_dump_path(args.dump)
+    # The run's fraction, whether --memory-fraction or the setting's per_process_memory_fraction
+    # gives it: the device a recorded OOM implies is the one whose fraction gives its limit.
+    fraction = fraction_in_force(config, args.memory_fraction)
     oom = None
     if has_oom_entries(entries):
         try:
-            oom = recorded_oom(snapshot, device=args.device, memory_fraction=args.memory_fraction)
+            oom = recorded_oom(snapshot, device=args.device, memory_fraction=fraction)
         except SnapshotError as err:   # a corrupt trace entry
             raise CliError(f"{args.trace}: {err}") from None
     derived = args.device_memory is None and oom is not None
     if derived:
-        device_memory = oom.device_memory
+        try:
+            device_memory = implied_device_memory(oom)
+        except SnapshotError as err:
+            raise CliError(f"{args.trace}: {err}") from None
     else:
         device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
-    if gc_without_fraction(own, args.memory_fraction):
+    if gc_without_fraction(own, fraction):
         _warn("the trace's own setting sets garbage_collection_threshold, which acts only under a "
               "memory fraction below 1, and none is given: its segment frees are replayed as "
               "empty_cache() calls. If the run called torch.cuda.set_per_process_memory_fraction, "
               "pass that fraction as --memory-fraction.")
     if oom is not None and not args.json:
-        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, args.memory_fraction):
+        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, fraction,
+                                       report_width()):
             print(text)
-    with _Progress("replay", "ev") as bar:
-        try:
+    def run(placement):
+        with _Progress("replay", "ev") as bar:
             # --dump records the replay's own history: its snapshot is a timeline of the replay.
-            result = replay(snapshot, config=config, placement=placement, device_memory=device_memory,
-                            device=args.device, progress=bar, history=bool(args.dump),
-                            memory_fraction=args.memory_fraction)
-        except SnapshotError as err:   # a corrupt trace entry
-            raise CliError(f"{args.trace}: {err}") from None
+            return replay(snapshot, config=config, placement=placement, device_memory=device_memory,
+                          device=args.device, progress=bar, history=bool(args.dump),
+                          memory_fraction=args.memory_fraction)
+
+    try:
+        try:
+            result = run(placement)
         except RuntimeError as err:
             if placement != "recorded":
                 raise
             # The simulated device refuses a recorded address that overlaps a live segment: the
-            # trace's segment sequence does not fit this replay.
-            raise CliError(f"replay at the trace's addresses failed ({err}); "
-                           "try --placement fresh") from None
+            # trace's segment sequence does not fit this replay (a device or fraction other than
+            # the run's changes the segments it frees). Asked for, that is an error; chosen by
+            # default, fresh placement replays it, as tune and recorded_oom do.
+            if args.placement == "recorded":
+                raise CliError(f"replay at the trace's addresses failed ({err}); "
+                               "try --placement fresh") from None
+            _warn(f"the trace's addresses do not fit this replay ({_first_clause(err)}): replayed "
+                  "with fresh placement instead")
+            placement = "fresh"
+            result = run(placement)
+    except SnapshotError as err:   # a corrupt trace entry
+        raise CliError(f"{args.trace}: {err}") from None
     if args.dump:
         _write_dump(result.snapshot, args.dump)
     _wrapped_warning(result.wrapped)
@@ -341,9 +376,12 @@ def _cmd_replay(args) -> int:
         print(json.dumps(_json_safe(out)))
         return 0
     r = result
+    width = report_width()
 
     def line(name, value):
-        print(f"{name + ':':<24}{value}")
+        # Wrapped under its own column (a path or a number is never broken).
+        print(textwrap.fill(f"{name + ':':<24}{value}", width, subsequent_indent=" " * 24,
+                            break_long_words=False, break_on_hyphens=False))
 
     line("trace", f"{args.trace} ({r.events:,} events, {r.allocations:,} allocations, device {args.device})")
     line("setting", (config or "(defaults)") + ("  (the trace's own)" if config == own else ""))
@@ -366,8 +404,8 @@ def _cmd_replay(args) -> int:
         "  (each failed allocation was skipped, and the replay went on)" if r.num_ooms else ""))
     if r.oom_requests:
         first = r.oom_requests[0]
-        words = (f"fits, {format_bytes(first.margin)} to spare" if first.fits
-                 else f"out of memory again, {format_bytes(-first.margin)} short")
+        words = (f"fits, {bytes_words(first.margin)} to spare" if first.fits
+                 else f"out of memory again, {bytes_words(-first.margin)} short")
         line("recorded OOM's request", f"{words}; {r.oom_requests_fitting:,} of "
                                        f"{len(r.oom_requests):,} oom requests fit (each freed at once)")
     line("empty_cache calls", f"{r.empty_cache_calls:,}  (segment-free runs replayed as calls; the "
@@ -388,14 +426,14 @@ def _cmd_replay(args) -> int:
 def _cmd_tune(args) -> int:
     from pyalloc.config import ConfigError, CudaAllocatorConfig
     from pyalloc.snapshot import SnapshotError
-    from pyalloc.tune import format_report, tune
+    from pyalloc.tune import format_report, report_width, tune
 
     for text in args.config or ():
         try:
             CudaAllocatorConfig(text)
         except ConfigError as err:
             raise _config_error(err, "--config") from None
-    snapshot, entries = _load_trace(args.trace, args.device)
+    snapshot, entries = _load_trace(args.trace, args.device, args.max_input_size)
     if args.html:
         _check_html_path(args.html, "--html")
     # --config alone tries just those settings; --grid adds a whole grid to them.
@@ -412,7 +450,7 @@ def _cmd_tune(args) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
-        print(format_report(result))
+        print(format_report(result, report_width()))
     if args.html:
         _write_tune_html(args.html, result, snapshot, quiet=args.json)
     if result.best is None:
@@ -424,19 +462,26 @@ def _cmd_tune(args) -> int:
 
 # -- view -------------------------------------------------------------------------------------------
 
-def _check_html_path(path: str, what: str) -> None:
+def _check_output_path(path: str, what: str, example: str) -> None:
+    """CliError, before any work, when the output file `path` of option `what` cannot be made:
+    its folder does not exist, or it is a folder itself (`example` names a file to give)."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise CliError(f"{what} {path!r}: folder {folder!r} does not exist")
     if os.path.isdir(path):
-        raise CliError(f"{what} {path!r} is a folder; give a file name such as report.html")
+        raise CliError(f"{what} {path!r} is a folder; give a file name such as {example}")
 
 
-def _write_html(path: str, text: str, what: str) -> None:
+def _check_html_path(path: str, what: str) -> None:
+    _check_output_path(path, what, "report.html")
+
+
+def _write_html(path: str, text: str, what: str) -> int:
+    """Write a page (atomically: a failure keeps an old file); returns its size in bytes."""
     from pyalloc.report_html import write
 
     try:
-        write(path, text)
+        return write(path, text)
     except OSError as err:
         raise CliError(f"{what} {path!r}: {err.strerror or err}") from None
 
@@ -452,31 +497,45 @@ def _write_tune_html(path: str, result, snapshot, quiet: bool) -> None:
 
 def _cmd_view(args) -> int:
     from pyalloc.errors import format_bytes
+    from pyalloc.snapshot import SnapshotError
+    from pyalloc.tune import count_words, report_width
     from pyalloc.view import analyze, format_summary
 
     if args.output:
         _check_html_path(args.output, "-o")
-    snapshot, _ = _load_trace(args.snapshot, args.device)
+    snapshot, _ = _load_trace(args.snapshot, args.device, args.max_input_size)
     try:
         view = analyze(snapshot, device=args.device, path=args.snapshot)
+    except SnapshotError as err:     # a frame or tag of the wrong shape
+        raise CliError(f"{args.snapshot}: {err}") from None
     except (KeyError, TypeError, AttributeError) as err:
         raise CliError(f"{args.snapshot!r}: a trace entry lacks a field or has one of the wrong type "
                        f"({type(err).__name__}: {err})") from None
     if not args.output:
-        print(format_summary(view))
+        print(format_summary(view, width=report_width()))
         return 0
     from pyalloc.report_html import view_page
 
-    page = view_page(view)
-    _write_html(args.output, page, "-o")
+    size = _write_html(args.output, view_page(view), "-o")
     series = view.peak_series
     value, event = view.peaks[series]
-    print(f"{args.output}: {len(page.encode()) / 1e6:.2f} MB; peak {series} {format_bytes(value)} "
-          f"at event {event:,}" + (f"; {len(view.ooms):,} out-of-memory events" if view.ooms else ""))
+    print(f"{args.output}: {size / 1e6:.2f} MB; peak {series} {format_bytes(value)} "
+          f"at event {event:,}" + (f"; {count_words(len(view.ooms), 'out-of-memory event')}"
+                                   if view.ooms else ""))
     return 0
 
 
 # -- entry point ------------------------------------------------------------------------------------
+
+def _add_max_input_size(parser) -> None:
+    from pyalloc.snapshot import DEFAULT_MAX_BYTES
+
+    parser.add_argument("--max-input-size", type=_size_arg, default=DEFAULT_MAX_BYTES, metavar="SIZE",
+                        help="read snapshot files, and the pickle a .gz decompresses to, of at most "
+                             f"this size (default {DEFAULT_MAX_BYTES >> 30}GiB, ~14 million "
+                             "trace entries; loading takes about 5 times the pickle's size in "
+                             "memory), so that a gzip bomb or /dev/zero stops with one line")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from pyalloc import __version__
@@ -488,6 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES, formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pyalloc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = sub.choices    # name -> subparser, for errors that name its --help
 
     common = _Parser(add_help=False)
     common.add_argument("trace", metavar="TRACE",
@@ -508,6 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", type=_device_arg, default=0, metavar="N",
                         help="which device's trace to replay (default 0)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_max_input_size(common)
 
     p = sub.add_parser("replay", parents=[common], epilog=EXIT_STATUSES,
                        formatter_class=_HelpFormatter,
@@ -571,30 +632,86 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", default=None, metavar="PATH", help="write the HTML page here")
     v.add_argument("--device", type=_device_arg, default=0, metavar="N",
                    help="which device's trace to show (default 0)")
+    _add_max_input_size(v)
     v.set_defaults(func=_cmd_view)
     return parser
+
+
+class _Stdout:
+    """sys.stdout while a command runs: a failed write or flush (a full disk: `> /dev/full`), or
+    a write to a stdout that was closed from the start, becomes CliError, one line like -o's,
+    instead of a traceback (or, when closed, of output lost without a word). BrokenPipeError
+    passes through: a reader that went away (`| head`) is not an error to report."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guard(self, name, *args):
+        if self._stream is None:     # started with stdout closed (`>&-`): Python sets it to None
+            raise _StdoutError("cannot write to standard output: it is closed")
+        try:
+            return getattr(self._stream, name)(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise _StdoutError(f"cannot write to standard output: {err.strerror or err}") from None
+
+    def write(self, text):
+        return self._guard("write", text)
+
+    def flush(self):
+        return self._guard("flush")
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _quiet_stdout() -> None:
+    # Point stdout at devnull, so that the interpreter's final flush of what could not be
+    # written does not raise again (Python's documented recipe for a closed pipe).
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # stdout has no descriptor (a test's capture)
+        pass
 
 
 def main(argv=None) -> int:
     """Run the command line with `argv` (default sys.argv[1:]); returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # argparse reports unknown options from the top-level parser; the help that lists
+            # the options of the command given is that command's.
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exit:   # --help, or a usage error argparse has already reported
         return exit.code if isinstance(exit.code, int) else 2
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)
     try:
-        return args.func(args)
+        return _run(args)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(args) -> int:
+    """args.func(args), its output flushed, with every failure as one line and its exit status."""
+    try:
+        status = args.func(args)
+        sys.stdout.flush()       # a full disk shows here, while the error can still be reported
+        return status
     except CliError as err:
+        if isinstance(err, _StdoutError):
+            _quiet_stdout()
         print(f"pyalloc: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pyalloc: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # Whoever read the output (`| head`) has gone: stop quietly. Pointing stdout at devnull
-        # keeps the interpreter's final flush from raising again (Python's documented recipe).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # Whoever read the output (`| head`) has gone: stop quietly.
+        _quiet_stdout()
         return 1
 
 

@@ -176,6 +176,25 @@ class ConfigTokenizer:
         return token == "True"
 
 
+def _is_side_key(key: str) -> bool:
+    # Keys of pinned host memory and of ROCm: accepted, but rarely what a CUDA user mistyped.
+    return key.startswith("pinned_") or "hip" in key
+
+
+def _key_hint(key: str, known) -> str:
+    """What to say about an unknown key: the known keys it starts, contains or resembles (at most
+    three, nearest first), else the device allocator's keys (pinned_* and *hip* ones summarised),
+    so that the message stays one readable line."""
+    lowered = key.lower()
+    near = [k for k in sorted(known) if lowered and (k.startswith(lowered) or lowered in k)]
+    near += [k for k in difflib.get_close_matches(lowered, known, n=3) if k not in near]
+    if near:
+        near = near[:3]
+        return "did you mean " + " or ".join(repr(k) for k in near) + "?"
+    main = ", ".join(sorted(k for k in known if not _is_side_key(k)))
+    return f"known keys: {main} (and pinned_* keys for host memory, *hip* ones for ROCm)"
+
+
 def _parses(*keys: str):
     """Register the decorated method as the parser of ``keys`` (the first is canonical, the rest
     are aliases). A parser is called as ``method(self, tokenizer, i, key)`` with ``i`` the index
@@ -294,10 +313,7 @@ class AllocatorConfig:
             if key in sub._parsers:
                 return tok.error(i, f"{key!r} is not a key of {type(self).__name__}; "
                                     f"it is handled by {sub.__name__}")
-        close = difflib.get_close_matches(key, self._parsers, n=1)
-        known = ", ".join(sorted(self._parsers))
-        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {known}"
-        return tok.error(i, f"unknown key {key!r}; {hint}")
+        return tok.error(i, f"unknown key {key!r}; {_key_hint(key, self._parsers)}")
 
     def _missing_comma_hint(self, err: ConfigError) -> ConfigError:
         # 'max_split_size_mb:128expandable_segments:True' fails on '128expandable_segments'; the

@@ -190,11 +190,18 @@ def _settings_key(settings):
 
 
 def own_config(snapshot):
-    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say)."""
+    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say);
+    SnapshotError when it is stored as something other than a string (PyTorch writes a str)."""
     settings = snapshot.get("allocator_settings")
     if not isinstance(settings, dict):
         return ""
-    return settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    config = settings.get("PYTORCH_CUDA_ALLOC_CONF")
+    if config is None:
+        return ""
+    if not isinstance(config, str):
+        raise SnapshotError(f"corrupt snapshot: allocator_settings['PYTORCH_CUDA_ALLOC_CONF'] is "
+                            f"{type(config).__name__} {config!r:.80}, expected the setting string")
+    return config
 
 
 def same_settings(config, other):
@@ -214,6 +221,22 @@ def check_memory_fraction(memory_fraction):
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     return float(memory_fraction)
+
+
+def fraction_in_force(config, memory_fraction):
+    """The per-process memory fraction a replay under setting string `config` runs with:
+    `memory_fraction` when given, else the setting's own per_process_memory_fraction; None when
+    that is 1.0 (no fraction) or `config` does not parse. PyTorch applies the setting's fraction
+    at construction exactly as torch.cuda.set_per_process_memory_fraction, so every step that
+    models the run's limit (classifying its segment frees, deriving the device from a recorded
+    OOM, --fit's scaling) must see the fraction whichever way it was given."""
+    if memory_fraction is not None:
+        return memory_fraction
+    try:
+        fraction = CudaAllocatorConfig(config).per_process_memory_fraction
+    except ValueError:       # a malformed setting: the replay itself reports it
+        return None
+    return fraction if fraction < 1.0 else None
 
 
 def gc_without_fraction(config, memory_fraction):
@@ -301,6 +324,19 @@ class RecordedOom:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out.update(cached_free=self.cached_free, consistent=self.consistent)
         return out
+
+
+def implied_device_memory(oom):
+    """The device (bytes) to replay a run on when none is given: oom.device_memory, the largest
+    device consistent with its recorded OOM. SnapshotError when that is below one byte (an oom
+    entry with nothing reserved and 0 bytes free on the device: the run could hold no memory,
+    and no simulated device is that small); the caller must then be told the device size."""
+    if oom.device_memory < 1:
+        raise SnapshotError(
+            f"its oom entry {oom.index:,} records {oom.device_free:,} bytes free on the device with "
+            f"{oom.reserved:,} bytes reserved: the run could hold no memory at all, which no device "
+            "size reproduces; give the device's size (--device-memory)")
+    return oom.device_memory
 
 
 def has_oom_entries(entries):
@@ -459,6 +495,9 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     if config is None:
         config = own
     device_memory = DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory
+    # A fraction in `config` is the run's limit as much as one given as memory_fraction: the
+    # classification below replays the own setting, which does not carry it.
+    memory_fraction = fraction_in_force(config, memory_fraction)
     if empty_cache_calls is None and config != own:
         try:
             foreign = not same_settings(config, own)
@@ -546,10 +585,11 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
         check_trace(entries, device)
     if config is None:
         config = own_config(snapshot)
+    memory_fraction = fraction_in_force(config, memory_fraction)
     if empty_cache_calls is None:
         if device_memory is None:
             oom = recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
-            device_memory = oom.device_memory if oom is not None else DEFAULT_DEVICE_MEMORY
+            device_memory = implied_device_memory(oom) if oom is not None else DEFAULT_DEVICE_MEMORY
         empty_cache_calls = classify_releases(snapshot, device=device, memory_fraction=memory_fraction,
                                               device_memory=device_memory)
     fraction = memory_fraction if memory_fraction is not None and memory_fraction < 1.0 else 1.0

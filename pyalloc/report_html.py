@@ -9,7 +9,10 @@ them as SVG; tables and text are plain HTML, readable without the script. Why th
 * the hover details (a bucket's range, a block's size, tag and allocation event) and the
   state / tag colouring switch need a script anyway;
 * the peaks the page shows are computed in the browser from the very arrays it draws, and written
-  into the DOM (``data-drawn-peak-*``), so a test in a real browser checks what is drawn.
+  into the DOM (``data-drawn-peak-*``), so a test in a real browser checks what is drawn;
+* size again: stacks are a table of distinct strings in the JSON, written into their cells by the
+  script (_StackTable), so that a stack shared by many rows, or a frame name of megabytes, is
+  stored once; without the script a cell gives the stack's frame count.
 
 User strings (tags, frames, settings) reach the page only through html.escape or the script's
 textContent, never as markup. Only the standard library is used.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 
 from pyalloc.errors import format_bytes
 
@@ -31,8 +35,17 @@ SERIES_COLOURS = {"reserved": "#2563eb", "allocated": "#ea580c", "requested": "#
 STATE_COLOURS = {"allocated": "#1d4ed8", "pending_free": "#f59e0b", "free": "#e2e8f0"}
 
 
+# A lone surrogate (from a str that was never valid Unicode: a pickled '\ud800') has no UTF-8
+# form; the page shows it as the escape Python would write.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _visible_surrogate(match):
+    return f"\\u{ord(match.group()):04x}"
+
+
 def _esc(text):
-    return html.escape(str(text), quote=True)
+    return html.escape(_SURROGATE.sub(_visible_surrogate, str(text)), quote=True)
 
 
 def _json(data):
@@ -48,16 +61,55 @@ def _tag_label(tag):
     return tag if tag else "(no tag)"
 
 
-def _frames_html(frames, limit):
-    if not frames:
-        return '<span class="muted">no stack recorded</span>'
-    shown = frames[:limit]
-    first = shown[0]
-    lines = "\n".join(f"{f.get('name', '?')}  {f.get('filename', '?')}:{f.get('line', '?')}" for f in shown)
-    more = f"\n... {len(frames) - limit} more frames" if len(frames) > limit else ""
-    return (f"<details><summary>{_esc(first.get('name', '?'))} "
-            f"<span class=\"muted\">{_esc(os.path.basename(str(first.get('filename', '?'))))}:"
-            f"{_esc(first.get('line', '?'))}</span></summary><pre>{_esc(lines + more)}</pre></details>")
+# A tag is written into the markup several times (legend, tables, rows): longer ones are cut
+# there, with the count of what was cut; the page's JSON holds each in full once.
+MARKUP_TAG_CHARS = 200
+
+
+def _short_tag(tag):
+    """_tag_label(tag), cut to MARKUP_TAG_CHARS characters with a note of how many more it has."""
+    label = _tag_label(tag)
+    if len(label) <= MARKUP_TAG_CHARS:
+        return label
+    return f"{label[:MARKUP_TAG_CHARS]}... ({len(label) - MARKUP_TAG_CHARS:,} more characters)"
+
+
+class _StackTable:
+    """The stacks a page shows, for its JSON: each distinct string (frame name, file name) once in
+    `strings`, each distinct stack once in `stacks` as [[name, filename, line], ...] (string
+    indices; at most `limit` frames, then the count of the rest). The rows that show a stack
+    carry only its index, and the page's script writes the stack out: a stack shared by many rows,
+    or a name repeated in many stacks, is stored once however long it is."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self.strings, self.stacks = [], []
+        self._string_index, self._stack_index = {}, {}
+
+    def _string(self, text):
+        index = self._string_index.get(text)
+        if index is None:
+            index = self._string_index[text] = len(self.strings)
+            self.strings.append(text)
+        return index
+
+    def index(self, frames):
+        """The index of `frames` (PyTorch frame dicts, innermost first) in `stacks`."""
+        key = id(frames)      # entries of one stack share its list
+        index = self._stack_index.get(key)
+        if index is None:
+            shown = [[self._string(str(f.get("name", "?"))), self._string(str(f.get("filename", "?"))),
+                      f.get("line", "?")] for f in frames[:self.limit]]
+            index = self._stack_index[key] = len(self.stacks)
+            self.stacks.append({"frames": shown, "more": max(0, len(frames) - self.limit)})
+        return index
+
+    def cell(self, frames):
+        """The table cell of a stack: its index for the script, and words for a reader without it."""
+        if not frames:
+            return '<td class="frames"><span class="muted">no stack recorded</span></td>'
+        return (f'<td class="frames" data-stack="{self.index(frames)}"><span class="muted">'
+                f'{len(frames):,} frames (shown with JavaScript)</span></td>')
 
 
 def _page(title, body, data, script):
@@ -65,15 +117,16 @@ def _page(title, body, data, script):
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>{_esc(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n"
             f"<div id=\"tip\" role=\"tooltip\"></div>\n"
-            f"<noscript><p class=\"note\">The charts need JavaScript; the tables below do not.</p></noscript>\n"
+            f"<noscript><p class=\"note\">The charts and the stacks need JavaScript; the tables below do not.</p></noscript>\n"
             f"<script type=\"application/json\" id=\"data\">{_json(data)}</script>\n"
             f"<script>{_JS_COMMON}{script}</script>\n</body></html>\n")
 
 
 def write(path, text):
-    """Write a page; OSError when the file cannot be written."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    """Write a page as UTF-8, atomically (a failure leaves an old file at `path` whole); returns
+    the bytes written. OSError when the file cannot be written."""
+    from pyalloc.snapshot import write_atomically
+    return write_atomically(path, text.encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------- pyalloc view
@@ -123,6 +176,9 @@ def view_page(view, title=None):
                 tags.append(a.tag)
     tag_index = {t: i for i, t in enumerate(tags)}
     colours = _tag_colours(tags)
+    stacks = _StackTable(MAX_FRAMES)
+    top_stacks = [stacks.cell(a.frames) for a in view.top]
+    oom_stacks = [stacks.cell(o.frames) for o in view.ooms[:200]]
     data = {
         "n": view.events, "bucket": view.bucket, "x": view.starts, "t": view.times_ms,
         "series": [{"name": s, "lo": view.lo[s], "hi": view.hi[s], "colour": SERIES_COLOURS[s]}
@@ -133,6 +189,7 @@ def view_page(view, title=None):
         "tags": [_tag_label(t) for t in tags], "tagColours": colours,
         "stateColours": STATE_COLOURS,
         "moments": [_moment_data(m, tag_index) for m in view.moments],
+        "strings": stacks.strings, "stacks": stacks.stacks,
     }
 
     def when(event):
@@ -180,7 +237,7 @@ def view_page(view, title=None):
             f'<div class="maphost" data-moment="{m.name}"></div></div>')
     state_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(k.replace("_", " "))}'
                            f'</span>' for k, c in STATE_COLOURS.items())
-    tag_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(_tag_label(t))}</span>'
+    tag_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(_short_tag(t))}</span>'
                          for t, c in zip(tags, colours))
 
     peak_label = f"{view.peak_moment.title} ({when(view.peak_moment.event)})"
@@ -188,10 +245,10 @@ def view_page(view, title=None):
     for rank, a in enumerate(view.top, 1):
         rows.append(f'<tr><td class="num">{rank}</td>{_bytes_cell(a.size)}{_bytes_cell(a.requested)}'
                     f'<td><span class="sw" style="background:{colours[tag_index[a.tag]]}"></span>'
-                    f'{_esc(_tag_label(a.tag))}</td>'
+                    f'{_esc(_short_tag(a.tag))}</td>'
                     f'<td class="num">{_esc(when(a.start) if a.start >= 0 else "before the trace")}</td>'
                     f'<td class="mono">0x{a.addr:x}</td><td>{a.stream}</td>'
-                    f'<td class="frames">{_frames_html(a.frames, MAX_FRAMES)}</td></tr>')
+                    f'{top_stacks[rank - 1]}</tr>')
     top_html = (f'<table id="top-table"><thead><tr><th>#</th><th>block</th><th>requested</th><th>tag</th>'
                 f'<th>allocated at</th><th>address</th><th>stream</th><th>stack (innermost first)</th></tr>'
                 f'</thead><tbody>{"".join(rows)}</tbody></table>' if rows
@@ -202,8 +259,8 @@ def view_page(view, title=None):
 
     peak_total = sum(b for _, b, _, _ in view.tags) or 1
     tag_rows = "".join(
-        f'<tr data-tag="{_esc(t)}"><td><span class="sw" style="background:{colours[tag_index[t]]}"></span>'
-        f'{_esc(_tag_label(t))}</td>{_bytes_cell(b)}<td class="num">{100 * b / peak_total:.1f}%</td>'
+        f'<tr data-tag="{_esc(_short_tag(t) if t else "")}"><td><span class="sw" style="background:{colours[tag_index[t]]}"></span>'
+        f'{_esc(_short_tag(t))}</td>{_bytes_cell(b)}<td class="num">{100 * b / peak_total:.1f}%</td>'
         f'{_bytes_cell(p)}<td class="num">{c:,}</td></tr>' for t, b, p, c in view.tags)
     tags_html = (f'<table id="tag-table"><thead><tr><th>tag (user_metadata)</th><th>at the peak</th>'
                  f'<th>share</th><th>the tag\'s own peak</th><th>allocations</th></tr></thead>'
@@ -213,8 +270,8 @@ def view_page(view, title=None):
     if view.ooms:
         oom_rows = "".join(
             f'<tr><td class="num">{_esc(when(o.event))}</td>{_bytes_cell(o.requested)}{_bytes_cell(o.device_free)}'
-            f'<td>{o.stream}</td><td>{_esc(_tag_label(o.tag))}</td><td class="frames">{_frames_html(o.frames, MAX_FRAMES)}</td></tr>'
-            for o in view.ooms[:200])
+            f'<td>{o.stream}</td><td>{_esc(_short_tag(o.tag))}</td>{cell}</tr>'
+            for o, cell in zip(view.ooms[:200], oom_stacks))
         more = (f'<p class="muted">{len(view.ooms) - 200:,} more not listed</p>' if len(view.ooms) > 200 else "")
         oom_html = (f'<section id="ooms"><h2>Out of memory</h2><table id="oom-table"><thead><tr><th>when</th>'
                     f'<th>requested</th><th>free on the device</th><th>stream</th><th>tag</th><th>stack</th></tr>'
@@ -260,6 +317,8 @@ def tune_page(result, curves, title=None):
 
     `result` is a pyalloc.tune.TuneResult; `curves` maps id(row) -> (event indices, maxima) from
     pyalloc.view.reserved_curve for the rows drawn (the ranked rows and the baseline)."""
+    from pyalloc.tune import change_words
+
     name = os.path.basename(result.trace) or "trace"
     drawn = [r for r in result.rows if id(r) in curves]
     rows_data = []
@@ -283,7 +342,8 @@ def tune_page(result, curves, title=None):
     else:
         if not result.best_avoids_oom:
             verdict = (f"Every setting ran out of memory on a {format_bytes(result.device_memory)} device; "
-                       "this one had the fewest out-of-memory events.")
+                       + ("this one needs the smallest device (--fit)." if result.fit
+                          else "this one had the fewest out-of-memory events."))
         elif best.own:
             verdict = "The trace's own setting is already the best of this grid."
         else:
@@ -300,13 +360,14 @@ def tune_page(result, curves, title=None):
     for i, row in enumerate(drawn):
         r = row.result
         ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
-        if row.saving is None:
+        # The terminal's words ("2.29 GiB more (16.6%)"), not a signed number that reads as a
+        # saving of minus 2.29 GiB.
+        if row.own:
+            saving = "(reference)"
+        elif row.saving is None:
             saving = "-"
         else:
-            frac = row.saving_fraction
-            saving = _esc(("-" if row.saving < 0 else "+" if row.saving > 0 else "") + format_bytes(abs(row.saving)))
-            if frac is not None:
-                saving += f'<br><span class="muted">{frac:+.1%}</span>'
+            saving = _esc(change_words(row.saving, row.saving_fraction))
         cls = " ".join(c for c in ("own" if row.own else "", "best" if row is result.best else "") if c)
         cls_attr = f' class="{cls}"' if cls else ""
         body_rows.append(
@@ -338,7 +399,7 @@ the simulated device puts them); the dashed line is the trace's own setting at i
 <p class="muted">Each point is the largest reserved figure since the previous one, so every peak is drawn.
 Hover a row to pick out its curve.</p></div>
 <div><h2>Ranking</h2><table id="tune-table"><thead><tr><th></th><th>setting</th><th>peak reserved</th><th>/requested</th>
-<th>saving vs own</th><th>device allocs</th><th>OOMs</th></tr></thead><tbody>{"".join(body_rows)}</tbody></table>
+<th>vs the trace's own setting</th><th>device allocs</th><th>OOMs</th></tr></thead><tbody>{"".join(body_rows)}</tbody></table>
 <p class="muted">* the trace's own setting; savings are against its row.</p>{extra}</div></section>
 <footer class="muted">pyalloc tune of {_esc(result.trace)}</footer>"""
     return _page(title or f"pyalloc tune: {name}", body, data, _JS_TUNE)
@@ -399,8 +460,8 @@ function fmtBytes(b) {
     if (Math.abs(b) >= s) return (b / s).toFixed(2) + " " + u;
   return b + " B";
 }
-function fmtTime(ms) {
-  if (ms < 10) return (ms * 1000).toFixed(0) + " us";
+function fmtTime(ms) {          // pyalloc.view.format_ms
+  if (ms < 1) return (ms * 1000).toFixed(0) + " us";
   if (ms < 1000) return ms.toFixed(2) + " ms";
   return (ms / 1000).toFixed(3) + " s";
 }
@@ -501,7 +562,10 @@ function drawTimeline() {
   D.ooms.forEach((o, k) => {
     const g = el("g", {class: "oom-mark", "data-event": String(o[0])}, og);
     el("line", {x1: X(o[0]), x2: X(o[0]), y1: M.t - 6, y2: H - M.b}, g);
-    if (k < 12) el("text", {x: X(o[0]) + 3, y: M.t - 10}, g).textContent = "OOM";
+    // The label goes left of a marker near the right edge, which would clip it ("OO").
+    const left = X(o[0]) > W - M.r - 30;
+    if (k < 12) el("text", {x: X(o[0]) + (left ? -3 : 3), y: M.t - 10, "text-anchor": left ? "end" : "start"},
+                   g).textContent = "OOM";
   });
   svg.setAttribute("data-oom-marks", String(D.ooms.length));
   const guide = el("line", {class: "guide", y1: M.t, y2: H - M.b, x1: -10, x2: -10}, svg);
@@ -594,6 +658,21 @@ function drawMoment(m, host) {
   });
   svg.addEventListener("mouseleave", hideTip);
 }
+function stackLine(f) { return `${D.strings[f[0]]}  ${D.strings[f[1]]}:${f[2]}`; }
+function drawStacks() {          // each td.frames[data-stack] gets its stack from D.stacks
+  for (const td of document.querySelectorAll("td.frames[data-stack]")) {
+    const st = D.stacks[+td.dataset.stack], first = st.frames[0];
+    const details = document.createElement("details"), summary = document.createElement("summary");
+    const where = document.createElement("span"), pre = document.createElement("pre");
+    summary.textContent = D.strings[first[0]] + " ";
+    where.className = "muted";
+    where.textContent = `${D.strings[first[1]].split("/").pop()}:${first[2]}`;
+    summary.appendChild(where);
+    pre.textContent = st.frames.map(stackLine).join("\n") + (st.more ? `\n... ${st.more} more frames` : "");
+    details.append(summary, pre);
+    td.replaceChildren(details);
+  }
+}
 function recolour() {
   const mode = document.querySelector('input[name="colour-by"]:checked').value;
   for (const [r, b] of blockRects) r.setAttribute("fill", blockFill(b, mode));
@@ -602,6 +681,7 @@ function recolour() {
   document.body.setAttribute("data-colour-by", mode);
 }
 drawTimeline();
+drawStacks();
 for (const host of document.querySelectorAll(".maphost")) {
   const m = D.moments.find(m => m.name === host.getAttribute("data-moment"));
   if (m) drawMoment(m, host);

@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import re
 import shlex
+import signal
 import textwrap
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from pyalloc.errors import format_bytes
 from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
                             check_trace, classify_releases, fit_device_memory, looks_wrapped,
                             recorded_oom, replay, roomy_device, trace_entries)
-from pyalloc.replay import gc_without_fraction
+from pyalloc.replay import fraction_in_force, gc_without_fraction, implied_device_memory, own_config
 from pyalloc._replay import trace_flags
 from pyalloc.snapshot import load
 
@@ -118,11 +119,8 @@ def unsupported_reason(config: str) -> str | None:
 
 
 def recorded_config(snapshot: dict) -> str:
-    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say)."""
-    settings = snapshot.get("allocator_settings")
-    if not isinstance(settings, dict):
-        return ""
-    return settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with (replay.own_config)."""
+    return own_config(snapshot)
 
 
 @dataclass
@@ -169,7 +167,7 @@ class TuneRow:
 class TuneResult:
     """What tune() found. rows: the fresh-placement replays that ran, ranked (see rank_key):
     the settings that fit the device first, by peak reserved, then those that ran out of memory,
-    by fewest out-of-memory events; baseline: the trace's own setting at the recorded addresses;
+    by fewest out-of-memory events (with fit, by the device they need); baseline: the trace's own setting at the recorded addresses;
     skipped / failed: rows that did not run; best: the row to recommend (the first row)."""
     trace: str
     device: int
@@ -279,10 +277,20 @@ def _slim(snapshot: dict) -> dict:
             "allocator_settings": snapshot.get("allocator_settings")}
 
 
+def _ignore_interrupts():
+    """Pool initializer: a worker ignores SIGINT. Ctrl-C reaches the whole process group; the
+    main process alone handles it, by terminating the workers (_collect), so that none prints
+    a KeyboardInterrupt traceback of its own or finishes its replay first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _init_worker(source):
-    """Pool initializer: load the trace once per worker (a path, or a snapshot dict)."""
+    """Pool initializer: ignore SIGINT, and load the trace once per worker (a path, or a
+    snapshot dict)."""
     global _worker_snapshot
-    _worker_snapshot = _slim(load(source) if not isinstance(source, dict) else source)
+    _ignore_interrupts()
+    # No size limit: tune's own process has loaded this very file within the caller's limit.
+    _worker_snapshot = _slim(load(source, max_bytes=None) if not isinstance(source, dict) else source)
 
 
 def _replay_job(job):
@@ -340,7 +348,7 @@ def _run_jobs(jobs, snapshot, source, workers, progress):
     # about as much as loading it.
     if snapshot is not None and "fork" in multiprocessing.get_all_start_methods():
         saved, _worker_snapshot = _worker_snapshot, _slim(snapshot)
-        pool_args = dict(mp_context=multiprocessing.get_context("fork"))
+        pool_args = dict(mp_context=multiprocessing.get_context("fork"), initializer=_ignore_interrupts)
     else:
         saved = _worker_snapshot
         pool_args = dict(initializer=_init_worker, initargs=(source,))
@@ -351,31 +359,52 @@ def _run_jobs(jobs, snapshot, source, workers, progress):
 
 
 def _collect(jobs, workers, total, progress, pool_args, results):
-    with ProcessPoolExecutor(max_workers=min(workers, total), **pool_args) as pool:
+    """Run `jobs` on a pool of `workers` processes, filling `results` by index as they finish.
+    On any exception here (Ctrl-C above all) the workers are terminated at once: leaving the
+    pool's `with` block would otherwise wait for every running replay (a --fit bisection takes
+    seconds), so Ctrl-C took as long as the slowest job to act."""
+    pool = ProcessPoolExecutor(max_workers=min(workers, total), **pool_args)
+    try:
         futures = [pool.submit(_replay_job, job) for job in jobs]
-        try:
-            for future in as_completed(futures):
-                out = future.result()
-                results[out[0]] = out
-                if progress is not None:
-                    progress(len(results), total)
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+        for future in as_completed(futures):
+            out = future.result()
+            results[out[0]] = out
+            if progress is not None:
+                progress(len(results), total)
+    except BaseException:
+        _terminate(pool)
+        raise
+    pool.shutdown()
     return results
+
+
+def _terminate(pool):
+    """Stop a ProcessPoolExecutor now: drop the queued jobs, kill the running ones, reap the
+    workers (so that none is left behind). Python 3.14 has pool.terminate_workers(); before it,
+    the worker processes are only reachable as the private `_processes`."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
 
 
 # -- the search -------------------------------------------------------------------------------------
 
-def rank_key(result: ReplayResult, order: int = 0):
+def rank_key(result: ReplayResult, order: int = 0, *, fit: bool = False,
+             fit_memory: int | None = None):
     """How tune ranks replays: every setting that fits the device (no out-of-memory event) above
     every one that does not; those that fit by peak reserved, then device allocations; those that
     ran out of memory by fewest out-of-memory events, then peak reserved (their failed allocations
-    were skipped, so their peaks undercount what they would need); then `order` (grid order)."""
+    were skipped, so their peaks undercount what they would need); then `order` (grid order).
+    With `fit` (tune --fit), those that ran out of memory rank first by the device they need,
+    `fit_memory` bytes (None: more than any device tried, so last), smallest first: the figure
+    that says how far each is from fitting."""
     if result.num_ooms == 0:
-        return (0, 0, result.peak_reserved, result.num_device_alloc, order)
-    return (1, result.num_ooms, result.peak_reserved, result.num_device_alloc, order)
+        return (0, 0, 0, result.peak_reserved, result.num_device_alloc, order)
+    need = (math.inf if fit_memory is None else fit_memory) if fit else 0
+    return (1, need, result.num_ooms, result.peak_reserved, result.num_device_alloc, order)
 
 
 def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, device=0,
@@ -420,11 +449,14 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     check_trace(entries, device)
     own = recorded_config(snapshot)
     has_releases, has_ooms = trace_flags(entries)
-    oom = (recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
+    # The device a recorded OOM implies is the one whose fraction gives its limit: the run's
+    # fraction, given here or in its own setting (per_process_memory_fraction).
+    oom = (recorded_oom(snapshot, device=device, memory_fraction=fraction_in_force(own, memory_fraction),
+                        check=False)
            if has_ooms else None)
     derived = device_memory is None and oom is not None
     if device_memory is None:
-        device_memory = oom.device_memory if oom is not None else DEFAULT_DEVICE_MEMORY
+        device_memory = implied_device_memory(oom) if oom is not None else DEFAULT_DEVICE_MEMORY
 
     rows: list[TuneRow] = []
     baseline = TuneRow(own, "recorded", own=True)
@@ -480,7 +512,7 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         for row in ran:
             row.saving = reference.peak_reserved - row.result.peak_reserved
     order = {id(r): i for i, r in enumerate([own_fresh] + rows)}
-    ran.sort(key=lambda r: rank_key(r.result, order[id(r)]))
+    ran.sort(key=lambda r: rank_key(r.result, order[id(r)], fit=fit, fit_memory=r.fit_memory))
     best = ran[0] if ran else None
     not_run = [r for r in [baseline, own_fresh] + rows if r.result is None]
     return TuneResult(
@@ -505,42 +537,65 @@ def _label(config: str) -> str:
     return config if config else "(defaults)"
 
 
+def count_words(n: int, singular: str, plural: str | None = None) -> str:
+    """'1 event', '2 events', '1,200 entries' (plural given): a count and its noun, agreeing."""
+    return f"{n:,} {singular if n == 1 else (plural or singular + 's')}"
+
+
+def bytes_words(nbytes: int) -> str:
+    """format_bytes(nbytes), except that a single byte is '1 byte' (format_bytes says '1 bytes')."""
+    return "1 byte" if abs(int(nbytes)) == 1 else format_bytes(nbytes)
+
+
 def change_words(delta: int, fraction: float | None = None) -> str:
     """A difference in bytes (positive: less than the reference) in words: '284.00 MiB less
     (2.1%)', '5.51 GiB more (96.7%)', 'the same'."""
     if delta == 0:
         return "the same"
-    text = f"{format_bytes(abs(delta))} {'less' if delta > 0 else 'more'}"
+    text = f"{bytes_words(abs(delta))} {'less' if delta > 0 else 'more'}"
     if fraction is not None:
         text += f" ({abs(fraction):.1%})"
     return text
 
 
-def _wrap_setting(text: str, width: int) -> list[str]:
-    """A setting string in lines of at most `width` columns, broken after commas; continuation
-    lines leave room for a two-space indent. A piece longer than a line is cut after its last ':'
-    or '_' that fits (else anywhere)."""
+def _setting_pieces(text: str) -> list[str]:
+    """A setting string cut after each comma: the pieces a line may break between (a key and its
+    value, 'max_split_size_mb:128,', are never broken)."""
+    return [piece for piece in re.split(r"(?<=,)", text) if piece]
+
+
+def _wrap_setting(text: str, width: int, indent: int = 2) -> list[str]:
+    """A setting string in lines of at most `width` columns, broken only after commas;
+    continuation lines leave room for an `indent`-space indent. A piece longer than a line has
+    one to itself (a key is never broken, even where it overflows)."""
     lines = []
-    for piece in re.split(r"(?<=,)", text):
-        if lines and len(lines[-1]) + len(piece) <= (width if len(lines) == 1 else width - 2):
+    for piece in _setting_pieces(text):
+        if lines and len(lines[-1]) + len(piece) <= (width if len(lines) == 1 else width - indent):
             lines[-1] += piece
-            continue
-        while True:
-            room = width if not lines else width - 2
-            cut = room
-            if len(piece) > room:
-                cut = max(piece.rfind(":", 0, room), piece.rfind("_", 0, room)) + 1 or room
-            lines.append(piece[:cut])
-            piece = piece[cut:]
-            if not piece:
-                break
+        else:
+            lines.append(piece)
     return lines or [""]
+
+
+def report_width() -> int:
+    """The columns tune's report fits: $COLUMNS when it is a positive integer, else WIDTH (100);
+    not the terminal's own width, so that output piped to a file reads the same."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return WIDTH
+    return columns if columns > 0 else WIDTH
 
 
 def format_table(result: TuneResult, width: int = WIDTH) -> str:
     """The ranking as text, in lines of at most `width` columns: one row per setting, numbered,
     the settings that fit the device first; the ones that ran out of memory under a divider,
-    marked '!'; the trace's own setting marked '*'; notes on both under the table."""
+    marked '!'; the trace's own setting marked '*'; notes on both under the table.
+
+    The setting is a column, wrapped at commas, when the room the figures leave it holds its
+    longest key:value piece; otherwise it goes under each row's figures, indented, so that no
+    key is ever broken. (Only the figures themselves, about 90 columns with --fit and a recorded
+    OOM, cannot be made narrower.)"""
     headers = (("", "#"), ("", "setting"), ("peak", "reserved"), ("vs the trace's", "own setting"),
                ("reserved/", "requested"), ("device", "allocs"), ("", "OOMs"))
     extra = []              # (header, cell(row)) of the columns only some reports have
@@ -572,26 +627,42 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     widths = [max([len(h[0]), len(h[1])] + [len(b[i]) for b in body]) for i, h in enumerate(headers)]
     # One space after the rank, two between the other columns.
     fixed = sum(widths) - widths[1] + 1 + 2 * (len(headers) - 2)
-    widths[1] = max(min(widths[1], width - fixed), 12)
+    longest_piece = max((len(p) for b in body for p in _setting_pieces(b[1])), default=0)
+    # A column's continuation lines are indented by 2.
+    as_column = width - fixed >= max(longest_piece + 2, len("setting"))
+    if as_column:
+        widths[1] = min(widths[1], width - fixed)
+        columns = list(range(len(headers)))
+    else:
+        columns = [0] + list(range(2, len(headers)))      # the setting goes under the figures
 
     def fmt(cells):
-        out = [cells[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(cells[2:], widths[2:])]
+        cells = [cells[i] for i in columns]
+        out = [c.rjust(widths[i]) if i > 1 else c.ljust(widths[i]) for c, i in zip(cells[1:], columns[1:])]
         return (cells[0].ljust(widths[0]) + " " + "  ".join(out)).rstrip()
 
     lines = [fmt([h[0] for h in headers]), fmt([h[1] for h in headers])]
     total = max(len(lines[0]), len(lines[1]))
     lines.append("-" * total)
     ooms = [b for b in body if b[-1]]
+    indent = " " * (widths[0] + 1)
     for cells in body:
         if cells is (ooms[0] if ooms else None):
             note = f" these ran out of memory on {result.device_words()} (see ! below) "
             side = max(total - len(note), 4)
             lines.append("-" * (side // 2) + note + "-" * (side - side // 2))
-        setting = _wrap_setting(cells[1], widths[1])
-        lines.append(fmt([cells[0], setting[0], *cells[2:-1]]))
-        lines += [fmt(["", "  " + more]) for more in setting[1:]]
+        if as_column:
+            setting = _wrap_setting(cells[1], widths[1])
+            lines.append(fmt([cells[0], setting[0], *cells[2:-1]]))
+            lines += [fmt(["", "  " + more, *[""] * (len(headers) - 2)]) for more in setting[1:]]
+        else:
+            lines.append(fmt(list(cells[:-1])))
+            setting = _wrap_setting(cells[1], width - len(indent))
+            lines += [indent + setting[0]] + [indent + "  " + more for more in setting[1:]]
     lines.append("-" * total)
     notes = []
+    if not as_column:
+        notes.append(" setting: on the line(s) under each row's figures")
     if any(r.own for r in result.rows):
         notes.append(" *  the trace's own setting, replayed fresh like the others: the reference "
                      "of \"vs the trace's own setting\"")
@@ -607,10 +678,12 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
                         "device gives (the JSON has both)." if result.allowed_memory is not None
                         else "."))
     if ooms:
-        notes.append(f" !  OUT OF MEMORY: {len(ooms)} of {len(body)} settings ran out of memory on "
+        notes.append(f" !  OUT OF MEMORY: {len(ooms)} of {count_words(len(body), 'setting')} ran out of memory on "
                      f"{result.device_words()}. Each failed allocation was "
                      "skipped, so their peaks undercount what they would need: they rank below "
-                     "every setting that fits, fewest out-of-memory events first.")
+                     "every setting that fits, "
+                     + ("the smallest device they need (--fit) first." if result.fit
+                        else "fewest out-of-memory events first."))
     for note in notes:
         lines.append(textwrap.fill(note, width, subsequent_indent="    ", break_long_words=False,
                                    break_on_hyphens=False))
@@ -624,13 +697,14 @@ def oom_request_words(row: TuneRow) -> str:
     if req is None or req.fits is None:
         return "-"
     if req.fits:
-        return f"yes +{format_bytes(req.margin)}"
-    return f"no -{format_bytes(-req.margin)}"
+        return f"yes +{bytes_words(req.margin)}"
+    return f"no -{bytes_words(-req.margin)}"
 
 
 def recorded_oom_lines(oom: RecordedOom, events: int, device_memory: int, derived: bool,
-                       memory_fraction: float | None) -> list[str]:
-    """The paragraphs that open a report on a trace with a recorded out-of-memory."""
+                       memory_fraction: float | None, width: int = WIDTH) -> list[str]:
+    """The paragraphs that open a report on a trace with a recorded out-of-memory, in lines of
+    at most `width` columns."""
     out = [_para(
         f"RECORDED OUT OF MEMORY at event {oom.index:,} of {events:,}: a request of "
         f"{format_bytes(oom.size)} (a {format_bytes(oom.segment_size)} segment) on stream "
@@ -638,7 +712,7 @@ def recorded_oom_lines(oom: RecordedOom, events: int, device_memory: int, derive
         f"{format_bytes(oom.reserved)} ({oom.reserved:,} bytes), of which "
         f"{format_bytes(oom.cached_free)} sat free in the cache (fragmentation); the device had "
         f"{format_bytes(oom.device_free)} free. The trace holds {oom.count:,} such "
-        f"out-of-memory entr{'y' if oom.count == 1 else 'ies'}.")]
+        f"out-of-memory entr{'y' if oom.count == 1 else 'ies'}.", width)]
     if derived:
         fraction = (f" with memory fraction {memory_fraction:g}"
                     if memory_fraction is not None and memory_fraction < 1.0 else "")
@@ -648,11 +722,11 @@ def recorded_oom_lines(oom: RecordedOom, events: int, device_memory: int, derive
             f"segment it could not get, less one byte, or reserved plus the device's free bytes, "
             f"whichever is less, over every OOM); the replays use a device of "
             f"{format_bytes(device_memory)}{fraction}. Give --device-memory (and "
-            "--memory-fraction) for the run's own figures."))
+            "--memory-fraction) for the run's own figures.", width))
         if not oom.consistent:
             out.append(_para(
                 f"Note: the run held {format_bytes(oom.peak_reserved)} at its peak, more than that "
-                "bound: its limit changed during the run, or other processes took memory."))
+                "bound: its limit changed during the run, or other processes took memory.", width))
     return out
 
 
@@ -660,20 +734,22 @@ def _para(text: str, width: int = WIDTH) -> str:
     return textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False)
 
 
-def format_report(result: TuneResult) -> str:
-    """The whole human-readable report of `pyalloc tune`: header, table, skipped, best line."""
+def format_report(result: TuneResult, width: int = WIDTH) -> str:
+    """The whole human-readable report of `pyalloc tune`: header, table, skipped, best line, in
+    lines of at most `width` columns (the final PYTORCH_CUDA_ALLOC_CONF line, pasted whole, and
+    an unbreakable trace path excepted)."""
     out = []
     if result.recorded_oom is not None:
         out += recorded_oom_lines(result.recorded_oom, result.events, result.device_memory,
-                                  result.device_memory_derived, result.memory_fraction)
+                                  result.device_memory_derived, result.memory_fraction, width)
     out += [_para(f"trace {result.trace}: {result.events:,} events, {result.allocations:,} "
                  f"allocations, device {result.device}; simulated device of "
                  f"{format_bytes(result.device_memory)} ({result.device_memory:,} bytes)"
                  + (f", memory fraction {result.memory_fraction:g}"
-                    if result.memory_fraction is not None else ""))]
+                    if result.memory_fraction is not None else ""), width)]
     if result.wrapped:
         out.append(_para("the trace starts in the middle of the run (wrapped ring buffer or late "
-                         "start): the figures cover only the recorded window"))
+                         "start): the figures cover only the recorded window", width))
     base = result.baseline
     if base.result is not None:
         b = base.result
@@ -687,32 +763,32 @@ def format_report(result: TuneResult) -> str:
                      f"retr{'y' if b.num_alloc_retries == 1 else 'ies'} (device allocations that "
                      "failed and were retried after freeing cached blocks)")
         if b.num_ooms:
-            text += f", {b.num_ooms:,} OUT-OF-MEMORY events"
-        out.append(_para(text))
+            text += f", {count_words(b.num_ooms, 'OUT-OF-MEMORY event')}"
+        out.append(_para(text, width))
     else:
-        out.append(_para(f"trace's own setting {_label(base.config)} was not replayed: {base.error}"))
+        out.append(_para(f"trace's own setting {_label(base.config)} was not replayed: {base.error}", width))
     if gc_without_fraction(result.own_config, result.memory_fraction):
         out.append(_para("Note: the trace's own setting sets garbage_collection_threshold, which acts "
                          "only under a memory fraction below 1, and none is given: its segment frees "
                          "are taken as empty_cache() calls. If the run called "
                          "torch.cuda.set_per_process_memory_fraction, pass that fraction as "
-                         "--memory-fraction."))
+                         "--memory-fraction.", width))
     out.append(_para("The table replays every setting with fresh placement (segments where the "
                      "simulated device puts them), the own setting included, so that the "
                      "differences come from the settings and not from where the driver put "
-                     "segments."))
+                     "segments.", width))
     effect = result.placement_effect
     if effect:
         out.append(_para(f"Placement alone changes the own setting's peak reserved: fresh "
                          f"placement reserves {change_words(-effect)} than at the trace's addresses; "
-                         "smaller differences say little."))
+                         "smaller differences say little.", width))
     out.append("")
     if result.rows:
-        out.append(format_table(result))
+        out.append(format_table(result, width))
     for row in result.skipped:
-        out.append(_para(f"skipped {_label(row.config)}: {row.error}"))
+        out.append(_para(f"skipped {_label(row.config)}: {row.error}", width))
     for row in result.failed:
-        out.append(_para(f"failed  {_label(row.config)}: {row.error}"))
+        out.append(_para(f"failed  {_label(row.config)}: {row.error}", width))
     out.append("")
     if result.best is None:
         out.append("no setting could be replayed")
@@ -720,13 +796,14 @@ def format_report(result: TuneResult) -> str:
     best = result.best
     if not result.best_avoids_oom:
         out.append(_para(f"every setting ran out of memory on {result.device_words()}; the one "
-                         "with the fewest out-of-memory events:"))
+                         + ("that needs the smallest device (--fit):" if result.fit
+                            else "with the fewest out-of-memory events:"), width))
     elif best.own:
         out.append("the trace's own setting is already the best of this grid:")
     else:
         out.append(_para(
             f"best: {_label(best.config)}, peak reserved {format_bytes(best.result.peak_reserved)}"
             + (f" ({change_words(best.saving)} than the own setting)" if best.saving else "")
-            + ":"))
+            + ":", width))
     out.append(result.best_line())
     return "\n".join(out)

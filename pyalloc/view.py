@@ -26,10 +26,12 @@ survives any downsampling. Only the standard library is used here (and in pyallo
 from __future__ import annotations
 
 import math
+import re
+import textwrap
 from dataclasses import dataclass, field
 
 from pyalloc.errors import format_bytes
-from pyalloc.replay import DEFAULT_DEVICE_MEMORY, replay, trace_entries
+from pyalloc.replay import DEFAULT_DEVICE_MEMORY, own_config, replay, trace_entries
 
 SERIES = ("reserved", "allocated", "requested")
 DEFAULT_BUCKETS = 2000      # timeline points: ~2 per pixel of a wide screen
@@ -138,6 +140,56 @@ class MemoryView:
         return "allocated" if "allocated" in self.hi else "requested"
 
 
+# ------------------------------------------------------------------------------- strings of the trace
+
+class _Strings:
+    """The tags (user_metadata) and stacks (frames) of a trace, checked as they are read: the page
+    and the summary print them, so a value of another shape (a str for frames, a name nested
+    100,000 lists deep) is SnapshotError naming where it is, not an exception deep in printing.
+    PyTorch shares one frames list between the entries of a stack: each list is checked once."""
+
+    def __init__(self):
+        self._checked = set()       # id() of frame lists already checked (the snapshot keeps them alive)
+
+    def tag(self, record, where):
+        tag = record.get("user_metadata")
+        if not tag:
+            return ""
+        if not isinstance(tag, str):
+            raise _shape_error(where, "user_metadata", tag, "a string")
+        return tag
+
+    def frames(self, record, where):
+        frames = record.get("frames")
+        if not frames:
+            return []
+        if id(frames) in self._checked:
+            return frames
+        if not isinstance(frames, list):
+            raise _shape_error(where, "frames", frames, "a list of frame dicts")
+        for k, frame in enumerate(frames):
+            if not isinstance(frame, dict):
+                raise _shape_error(where, f"frames[{k}]", frame, "a dict")
+            for key, kind, words in (("name", str, "a string"), ("filename", str, "a string"),
+                                     ("line", int, "an int")):
+                value = frame.get(key)
+                if value is not None and not isinstance(value, kind):
+                    raise _shape_error(where, f"frames[{k}][{key!r}]", value, words)
+        self._checked.add(id(frames))
+        return frames
+
+
+def _shape_error(where, name, value, expected):
+    """SnapshotError for a value of the wrong type; `where` names the record: a trace entry's
+    index (formatted only here, so that the walk over a long trace pays nothing for it) or words."""
+    from pyalloc.snapshot import SnapshotError
+    if isinstance(where, int):
+        where = f"trace entry {where:,}"
+    # The type only, never the value: its repr is what cannot be printed (nesting, size).
+    return SnapshotError(f"corrupt snapshot: {where}: {name} is a {type(value).__name__}, "
+                         f"expected {expected}")
+
+
 # ------------------------------------------------------------------------------- starting state
 
 def _round_block(size):
@@ -201,24 +253,26 @@ def _prescan(entries):
     return allocated, freed_first, seg_allocated, seg_freed_first, maps, peak_reserved
 
 
-def _initial_state(snapshot, entries, device, scan):
-    """Blocks and reserved ranges in use before the first event (empty for a complete trace)."""
+def _initial_state(snapshot, entries, device, scan, strings):
+    """Blocks and reserved ranges in use before the first event (empty for a complete trace);
+    `strings` (_Strings) checks their tags and stacks."""
     allocated, freed_first, seg_allocated, seg_freed_first, maps, _ = scan
     segments = [s for s in snapshot.get("segments") or [] if s.get("device", device) == device]
     blocks = []
     # Blocks freed before the trace allocates them: the free entry has the requested size.
     for addr, i in freed_first.items():
         e = entries[i]
-        blocks.append(Allocation(addr, e["size"], _round_block(e["size"]), e.get("user_metadata") or "",
-                                 -1, e.get("stream", 0), e.get("frames") or [], estimated=True))
+        blocks.append(Allocation(addr, e["size"], _round_block(e["size"]), strings.tag(e, i),
+                                 -1, e.get("stream", 0), strings.frames(e, i), estimated=True))
     # Blocks live at the end that the trace never allocated.
     for seg in segments:
         for b in seg.get("blocks") or []:
             if b.get("state", "inactive") == "inactive" or b["address"] in allocated or b["address"] in freed_first:
                 continue
+            where = f"the block at {b['address']:#x} of the final segments"
             blocks.append(Allocation(
-                b["address"], b.get("requested_size", b["size"]), b["size"], b.get("user_metadata") or "",
-                -1, seg.get("stream", 0), b.get("frames") or [],
+                b["address"], b.get("requested_size", b["size"]), b["size"], strings.tag(b, where),
+                -1, seg.get("stream", 0), strings.frames(b, where),
                 free_requested=-1 if b.get("state") == "active_pending_free" else None))
     ranges = []
     for seg in segments:
@@ -301,13 +355,15 @@ def analyze(snapshot, *, device=0, path="", buckets=DEFAULT_BUCKETS, top=TOP_ALL
     """Rebuild a trace's memory over time (see the module docstring). Returns a MemoryView.
 
     `block_sizes=False` skips the replay: allocated bytes are then not reported. Raises
-    SnapshotError when the snapshot holds no trace for `device`.
+    SnapshotError when the snapshot holds no trace for `device`, or a tag or stack of the wrong
+    shape (_Strings).
     """
     entries = trace_entries(snapshot, device)
     n = len(entries)
-    config = ((snapshot.get("allocator_settings") or {}).get("PYTORCH_CUDA_ALLOC_CONF") or "")
+    config = own_config(snapshot)
+    strings = _Strings()
     scan = _prescan(entries)
-    init_blocks, init_ranges = _initial_state(snapshot, entries, device, scan)
+    init_blocks, init_ranges = _initial_state(snapshot, entries, device, scan, strings)
     notes = []
     if block_sizes:
         sizes, allocated_note = _block_sizes(snapshot, entries, device, config, scan[-1])
@@ -364,7 +420,8 @@ def analyze(snapshot, *, device=0, path="", buckets=DEFAULT_BUCKETS, top=TOP_ALL
             size = e["size"]
             block = sizes.get(i)
             a = Allocation(e["addr"], size, block if block is not None else _round_block(size),
-                           e.get("user_metadata") or "", i, e.get("stream", 0), e.get("frames") or [],
+                           strings.tag(e, i), i, e.get("stream", 0),
+                           strings.frames(e, i),
                            estimated=block is None)
             live[a.addr] = a
             allocs.append(a)
@@ -419,8 +476,8 @@ def analyze(snapshot, *, device=0, path="", buckets=DEFAULT_BUCKETS, top=TOP_ALL
             changed = False
             if action == "oom":
                 ooms.append(Oom(i, e.get("size", 0), e.get("device_free", e.get("addr", 0)),
-                                e.get("stream", 0), e.get("time_us"), e.get("user_metadata") or "",
-                                e.get("frames") or []))
+                                e.get("stream", 0), e.get("time_us"), strings.tag(e, i),
+                                strings.frames(e, i)))
         if i == next_start:
             if i:
                 lo["reserved"].append(lo_r), hi["reserved"].append(hi_r)
@@ -530,8 +587,10 @@ def _tag_label(tag):
 
 
 def format_ms(ms):
-    """A time after the trace's first event: microseconds, milliseconds or seconds."""
-    if ms < 10:
+    """A time after the trace's first event, given in milliseconds, in the unit of its size:
+    microseconds below 1 ms, milliseconds below 1 s, seconds above ('640 us', '2.46 ms',
+    '2.844 s'), so that times of one size read alike in every trace (the page's fmtTime agrees)."""
+    if ms < 1:
         return f"{ms * 1000:.0f} us"
     if ms < 1000:
         return f"{ms:.2f} ms"
@@ -556,8 +615,28 @@ def view_time_ms(view, event):
     return view.times_ms[k]
 
 
-def format_summary(view, top_tags=5):
-    """The terminal summary of `pyalloc view` without -o: peaks and when, OOMs, top tags."""
+# Characters a terminal must not receive from a trace: C0 controls, DEL and C1 controls (ESC
+# starts sequences that retitle the window or clear the screen; C1's CSI does the same), and lone
+# surrogates (a str that was never valid Unicode: no encoding can write it, print() raises).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escape_char(match):
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xff else f"\\u{code:04x}"
+
+
+def terminal_safe(text):
+    """`text` with every character of _UNPRINTABLE written as its Python escape (ESC as \\x1b,
+    a lone surrogate as \\ud800): visible, and harmless to the terminal that prints it."""
+    return _UNPRINTABLE.sub(_escape_char, text)
+
+
+def format_summary(view, top_tags=5, width=100):
+    """The terminal summary of `pyalloc view` without -o: peaks and when, OOMs, top tags. Its
+    lines hold the trace's own strings (path, setting, tags), each line passed through
+    terminal_safe and wrapped at `width` columns (continuations indented by 4; a path or a word
+    longer than that is not broken)."""
     out = [f"{view.path or 'snapshot'}: {view.events:,} events on device {view.device}, "
            f"setting {view.config or '(defaults)'}"]
     for name in SERIES:
@@ -579,7 +658,8 @@ def format_summary(view, top_tags=5):
             f"{_tag_label(t)} {format_bytes(b)}" for t, b, _, _ in shown))
     for note in view.notes:
         out.append("note: " + note)
-    return "\n".join(out)
+    return "\n".join(textwrap.fill(terminal_safe(line), width, subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False) for line in out)
 
 
 # ------------------------------------------------------------------------------- tune's curves

@@ -686,7 +686,7 @@ def test_every_size_option_is_read_by_parse_size():
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     sized = [(name, action) for name, sub in subparsers.choices.items() for action in sub._actions
              if action.metavar == "SIZE"]
-    assert {name for name, _ in sized} == {"replay", "tune"}
+    assert {name for name, _ in sized} == {"replay", "tune", "view"}
     assert all(action.type is cli._size_arg for _, action in sized)
 
 
@@ -717,22 +717,34 @@ def table_rows(out):
     return rows
 
 
-def table_settings(out):
-    """The setting column of tune's table, in order, with each row's continuation lines joined."""
+def table_setting_lines(out):
+    """Each row's setting as tune's table shows it, a list of its lines (stripped): from the
+    setting column, or, where the table puts settings under the figures, from the lines below."""
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("#"))
-    col = lines[head].index("setting")
+    named = re.match(r"#\s+setting\b", lines[head])     # ("own setting" names another column)
+    col = named.end() - len("setting") if named else -1
     settings = []
     for line in lines[head + 2:]:
         if set(line) == {"-"}:
             break
         if line.startswith("-"):          # the divider above the settings that ran out of memory
             continue
-        if line[:col].strip():
-            settings.append(line[col:].split()[0])
+        if col < 0:                       # settings under each row's figures
+            if line[:1].isdigit():
+                settings.append([])
+            else:
+                settings[-1].append(line.strip())
+        elif line[:col].strip():
+            settings.append([line[col:].split()[0]])
         else:
-            settings[-1] += line[col:].strip()
+            settings[-1].append(line[col:].strip())
     return settings
+
+
+def table_settings(out):
+    """The settings of tune's table, in order, each row's lines joined."""
+    return ["".join(parts) for parts in table_setting_lines(out)]
 
 
 def tune_json(capsys, path, *extra):
@@ -1052,3 +1064,127 @@ def test_tune_rejects_bad_arguments_before_any_work(trace_file):
     from pyalloc.config import ConfigError
     with pytest.raises(ConfigError, match="nonsense"):
         tune_module.tune(trace_file, grid=None, configs=["nonsense:1"])
+
+
+# -- issue 25: a fraction in --config is the run's fraction -------------------------------------------
+
+def test_replay_derives_the_same_device_from_an_oom_whether_the_fraction_is_in_config_or_an_option(capsys):
+    path = TRACES / "oom" / "tight-fraction.pickle.gz"
+    fraction = json.loads((TRACES / "oom" / "tight-fraction.json").read_text())["fraction"]
+    option, _ = run_json(capsys, "replay", path, "--memory-fraction", repr(fraction))
+    in_config, _ = run_json(capsys, "replay", path, "--config", f"per_process_memory_fraction:{fraction!r}")
+    assert in_config["device_memory_derived"] and option["device_memory_derived"]
+    assert in_config["device_memory"] == option["device_memory"]
+
+
+# -- issue 27: the command line ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["oracle-max-split-size-mb-64", "gc-fraction"])
+def test_replay_without_options_falls_back_to_fresh_placement_where_the_addresses_do_not_fit(capsys, name):
+    data, err = run_json(capsys, "replay", TRACES / "oom" / f"{name}.pickle.gz")
+    assert data["placement"] == "fresh"
+    assert [line for line in err.splitlines() if "addresses do not fit" in line] != []
+    assert "replayed with fresh placement" in err
+
+
+def test_replay_asked_for_recorded_placement_still_refuses_addresses_that_do_not_fit(capsys):
+    path = TRACES / "oom" / "oracle-max-split-size-mb-64.pickle.gz"
+    rc, _, err = run(capsys, "replay", path, "--placement", "recorded")     # stdout: the recorded OOM
+    assert rc == 2 and err.count("\n") == 1 and "try --placement fresh" in err
+
+
+ORACLE_DEFAULT = TRACES / "oom" / "oracle-default.pickle.gz"
+
+
+def tune_text(capsys, monkeypatch, columns, *argv):
+    """tune's text report with $COLUMNS set to `columns` (None: unset)."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", str(columns))
+    rc, out, err = run(capsys, "tune", *argv, "--jobs", "1")
+    assert rc == 0, err
+    return out
+
+
+def test_tune_fit_report_on_an_oom_trace_fits_100_columns_without_columns_set(capsys, monkeypatch):
+    out = tune_text(capsys, monkeypatch, None, ORACLE_DEFAULT, "--fit")
+    lines = out.rstrip("\n").splitlines()
+    assert [l for l in lines[:-1] if len(l) > 100] == []
+
+
+def test_tune_report_uses_the_room_columns_gives_it(capsys, monkeypatch):
+    out = tune_text(capsys, monkeypatch, 170, ORACLE_DEFAULT, "--fit")
+    lines = out.rstrip("\n").splitlines()
+    assert [l for l in lines[:-1] if len(l) > 170] == []
+    assert all(len(parts) == 1 for parts in table_setting_lines(out))      # room for every setting
+
+
+@pytest.mark.parametrize("columns", [None, 120, 170])
+def test_tune_table_breaks_settings_only_after_commas(capsys, monkeypatch, columns):
+    out = tune_text(capsys, monkeypatch, columns, ORACLE_DEFAULT, "--fit")
+    for parts in table_setting_lines(out):
+        pieces = re.split(r"(?<=,)", "".join(parts))
+        assert all(p.endswith(",") for p in parts[:-1]), parts
+        assert len(parts) <= len(pieces)
+
+
+def test_tune_fit_ranks_out_of_memory_rows_by_the_device_they_need(capsys):
+    data, _ = run_json(capsys, "tune", ORACLE_DEFAULT, "--fit", "--jobs", "1")
+    needs = [r["fit_memory"] for r in data["results"] if r["num_ooms"]]
+    assert len(set(needs)) > 1
+    assert needs == sorted(needs, key=lambda n: float("inf") if n is None else n)
+
+
+def test_tune_report_says_1_byte_and_1_event_in_the_singular(capsys, monkeypatch):
+    out = tune_text(capsys, monkeypatch, None, ORACLE_DEFAULT, "--fit")
+    assert "no -1 byte " in out and "-1 bytes" not in out
+    assert "1 OUT-OF-MEMORY event" in out and "1 OUT-OF-MEMORY events" not in out
+
+
+def test_unknown_option_after_a_command_points_at_that_commands_help(capsys, trace_file):
+    assert_one_line_error(*run(capsys, "replay", trace_file, "--bogus"),
+                          "unrecognized arguments: --bogus", "(see pyalloc replay --help)")
+
+
+def test_device_memory_of_zero_is_refused_without_suggesting_a_zero_size(capsys, trace_file):
+    rc, out, err = run(capsys, "replay", trace_file, "--device-memory", "0")
+    assert_one_line_error(rc, out, err, "at least one byte")
+    assert "0GiB" not in err
+
+
+def test_unknown_config_key_names_the_nearest_key_in_a_short_line(capsys, trace_file):
+    rc, out, err = run(capsys, "replay", trace_file, "--config", "garbage")
+    assert_one_line_error(rc, out, err, "did you mean 'garbage_collection_threshold'?")
+    assert len(err) < 200 and "pinned_" not in err
+
+
+def test_dump_into_a_folder_says_it_is_a_folder_as_o_does(capsys, trace_file, tmp_path):
+    assert_one_line_error(*run(capsys, "replay", trace_file, "--dump", tmp_path),
+                          "is a folder; give a file name")
+
+
+def test_replay_report_lines_fit_100_columns(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rc, out, err = run(capsys, "replay", ORACLE_DEFAULT)
+    assert rc == 0, err
+    assert [l for l in out.splitlines() if len(l) > 100] == []
+
+
+def test_replay_says_1_byte_short_in_the_singular(capsys):
+    rc, out, _ = run(capsys, "replay", ORACLE_DEFAULT)
+    assert "1 byte short" in out and "1 bytes" not in out
+
+
+def test_view_summary_lines_fit_100_columns(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    rc, out, err = run(capsys, "view", ORACLE_DEFAULT)
+    assert rc == 0, err
+    assert [l for l in out.splitlines() if len(l) > 100] == []
+
+
+@pytest.mark.parametrize("ms, text", [(0.64, "640 us"), (2.456, "2.46 ms"), (999.0, "999.00 ms"),
+                                      (2844.0, "2.844 s")])
+def test_view_times_are_in_us_below_1_ms_ms_below_1_s_and_s_above(ms, text):
+    from pyalloc.view import format_ms
+    assert format_ms(ms) == text

@@ -562,3 +562,38 @@ def test_a_completion_the_flush_waited_for_is_replayed_before_the_malloc():
     assert result.num_alloc_retries == 0
     assert (result.peak_reserved, result.num_device_alloc, result.address_matches) == (
         stats["reserved_bytes.all.peak"], stats["num_device_alloc"], result.allocations)
+
+
+# -- a fraction in the setting string is the run's fraction (issue 25, fidelity defect) -------------
+
+def with_fraction_in_setting(run):
+    """The run's setting with its memory fraction written into it as per_process_memory_fraction."""
+    return f"{run['conf']},per_process_memory_fraction:{run['fraction']!r}"
+
+
+@pytest.mark.parametrize("figure", FIGURES)
+def test_fraction_in_the_setting_replays_the_gc_trace_as_memory_fraction_does(figure):
+    # PyTorch applies per_process_memory_fraction at construction exactly as
+    # set_per_process_memory_fraction: the segment frees are still the GC's, not empty_cache calls.
+    snapshot, run = load_run("gc-fraction")
+    result = replay(snapshot, config=with_fraction_in_setting(run), device_memory=run["total_memory"],
+                    placement="recorded")
+    assert getattr(result, figure) == run[figure]
+
+
+def test_fraction_in_the_setting_puts_every_gc_trace_allocation_at_pytorchs_address():
+    snapshot, run = load_run("gc-fraction")
+    result = replay(snapshot, config=with_fraction_in_setting(run), device_memory=run["total_memory"],
+                    placement="recorded")
+    assert result.empty_cache_calls == 0
+    assert result.address_matches == result.allocations == run["actions"]["alloc"]
+
+
+def test_fit_with_the_fraction_in_the_setting_equals_fit_with_memory_fraction():
+    from pyalloc.replay import fit_device_memory
+    snapshot, run = load_run("gc-fraction")
+    given = fit_device_memory(snapshot, config=run["conf"], memory_fraction=run["fraction"],
+                              device_memory=run["total_memory"])
+    in_setting = fit_device_memory(snapshot, config=with_fraction_in_setting(run),
+                                   device_memory=run["total_memory"])
+    assert in_setting == given

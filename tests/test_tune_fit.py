@@ -182,3 +182,73 @@ def test_tune_report_notes_a_gc_setting_without_fraction():
     snapshot = pickle.load(gzip.open(DATA / "oom" / "gc-fraction.pickle.gz"))
     result = tune(snapshot, grid=None, configs=(), jobs=1, snapshot=snapshot)
     assert "pass that fraction as --memory-fraction" in format_report(result)
+
+
+# -- Ctrl-C (issue 27) ---------------------------------------------------------------------------------
+
+def long_fit_trace(path, events=600_000):
+    """A trace whose --fit bisections take seconds each: many allocations of up to 64 MiB, at
+    most 300 live, freed in random order."""
+    import random
+    rng = random.Random(0)
+    entries, live, addr = [], [], 1 << 40
+
+    def event(action, a, size):
+        entries.append({"action": action, "addr": a, "size": size, "stream": 0,
+                        "time_us": len(entries), "compile_context": "N/A", "user_metadata": ""})
+
+    while len(entries) < events:
+        if live and (rng.random() < 0.5 or len(live) > 300):
+            a, size = live.pop(rng.randrange(len(live)))
+            event("free_requested", a, size)
+            event("free_completed", a, size)
+        else:
+            size = rng.choice((rng.randrange(1, MiB), rng.randrange(MiB, 64 * MiB)))
+            event("alloc", addr, size)
+            live.append((addr, size))
+            addr += 1 << 30
+    with gzip.open(path, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [entries],
+                     "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def long_trace(tmp_path_factory):
+    return long_fit_trace(tmp_path_factory.mktemp("long") / "long.pickle.gz")
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="needs POSIX process groups")
+@pytest.mark.parametrize("whom", ["group", "main"])
+def test_ctrl_c_stops_tune_fit_at_once_and_leaves_no_process(tmp_path, long_trace, whom):
+    import signal
+    import time
+    configs = [a for mb in (64, 128, 256) for a in ("--config", f"max_split_size_mb:{mb}")]
+    proc = subprocess.Popen([sys.executable, "-m", "pyalloc", "tune", str(long_trace), "--fit",
+                             "--jobs", "2", *configs], cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(4)                        # loaded, and the workers deep in their bisections
+    assert proc.poll() is None, proc.stderr.read()
+    sent = time.monotonic()
+    if whom == "group":                  # what a terminal's Ctrl-C does
+        os.killpg(proc.pid, signal.SIGINT)
+    else:                                # only the main process
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    waited = time.monotonic() - sent
+    assert proc.returncode == 130 and err.decode() == "pyalloc: interrupted\n"
+    assert waited < 2.0, f"took {waited:.2f} s to exit"
+    left = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True)
+    assert left.stdout.split() == []
+
+
+def test_tune_derives_the_same_device_whether_the_runs_fraction_is_in_its_setting_or_given(tight):
+    # issue 25's fidelity defect, in tune: PyTorch applies per_process_memory_fraction at
+    # construction as set_per_process_memory_fraction does.
+    fraction = run_json("tight-fraction")["fraction"]
+    given = tune(tight, grid=None, jobs=1, snapshot=tight, memory_fraction=fraction)
+    in_setting = dict(tight, allocator_settings=dict(
+        tight["allocator_settings"], PYTORCH_CUDA_ALLOC_CONF=f"per_process_memory_fraction:{fraction!r}"))
+    found = tune(in_setting, grid=None, jobs=1, snapshot=in_setting)
+    assert found.device_memory_derived and given.device_memory_derived
+    assert found.device_memory == given.device_memory

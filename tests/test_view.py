@@ -595,3 +595,48 @@ def test_tune_page_hovering_a_row_picks_out_its_curve(tab, tune_page):
     tab.hover("#row-1")
     picked = tab.evaluate("[...document.querySelectorAll('#tune-svg path.curve.hl')].map(p => p.dataset.row)")
     assert picked == ["row-1"]
+
+
+def test_view_o_counts_one_oom_in_the_singular(capsys, tagged, tmp_path):
+    rc, out, err = run(capsys, "view", tagged["path"], "-o", tmp_path / "p.html")
+    assert rc == 0, err
+    assert out.rstrip().endswith("; 1 out-of-memory event")
+
+
+def tune_table_cells(page_text):
+    """{data-config: the text of its 'vs the trace's own setting' cell} of a tune page's table."""
+    rows = re.findall(r'<tr id="row-\d+" data-config="([^"]*)".*?</tr>', page_text, re.S)
+    cells = re.findall(r'<tr id="row-\d+" data-config="[^"]*".*?(?:<td[^>]*>.*?</td>){4}<td class="num">(.*?)</td>',
+                       page_text, re.S)
+    return dict(zip(rows, cells))
+
+
+def test_tune_page_says_more_or_less_as_the_terminal_does(tune_page):
+    from pyalloc.tune import change_words
+    cells = tune_table_cells(tune_page["page"].read_text())
+    result = tune_page["result"]
+    costs = [r for r in result.rows if not r.own and r.saving is not None and r.saving < 0]
+    assert costs, "the example's grid has a setting that reserves more than the own one"
+    for row in costs:
+        assert cells[row.config] == change_words(row.saving, row.saving_fraction)
+        assert " more (" in cells[row.config]
+
+
+@needs_browser
+def test_oom_label_stays_inside_the_page_at_1400_px(tab, tmp_path):
+    # An OOM at the trace's last event puts its marker at the right edge of the timeline.
+    allocator = CachingAllocator(0, backend=SimDevice(64 * MiB), config="")
+    allocator.record_memory_history(context=None)
+    allocator.malloc(32 * MiB)
+    with pytest.raises(MemoryError):
+        allocator.malloc(48 * MiB)
+    path = tmp_path / "oom-last.pickle"
+    allocator.dump_snapshot(str(path))
+    page = tmp_path / "oom-last.html"
+    assert cli.main(["view", str(path), "-o", str(page)]) == 0
+    tab.send("Emulation.setDeviceMetricsOverride", width=1400, height=900, deviceScaleFactor=1, mobile=False)
+    tab.load(url(page))
+    box = tab.evaluate("""(() => { const t = document.querySelector('#timeline-svg .oom-mark text').getBoundingClientRect(),
+        s = document.getElementById('timeline-svg').getBoundingClientRect();
+        return {inside: t.left >= s.left && t.right <= s.right, width: t.width}; })()""")
+    assert box["inside"] and box["width"] > 0
