@@ -66,7 +66,7 @@ done
 # The default test set (issue 25): the core, pools, graphs and reliability specifications, the C
 # entry points (tests/test_capi.py) and the CUDA backend over the fake C driver (the two
 # *_fake_driver.py files: each runs its scenarios in a child interpreter, under ASan like this one).
-TESTS=(tests/test_core.py tests/test_pools.py tests/test_graphs.py tests/test_reliability.py
+TESTS=(tests/test_core.py tests/test_pools.py tests/test_graphs.py tests/test_reliability.py tests/test_reliability_core.py
        tests/test_capi.py tests/test_cuda_fake_driver.py tests/test_conformance_fake_driver.py)
 # Deselected, each with its reason (pytest node ids; none now). Every test of the files above runs:
 # the one wall-clock bound among them (tests/test_reliability.py::
