@@ -621,6 +621,17 @@ cdef class DeviceCachingAllocator:
         """Whether any thread holds this allocator's lock now (for tests)."""
         return self.mutex.held()
 
+    def _dry_release_bytes(self, nbytes, stream=0):
+        """The dry run of the release ladder for a malloc of `nbytes` on `stream` now: the bytes
+        of device memory it would give back (for tests; replay calls it from C)."""
+        cdef size_t size = request_size(nbytes)
+        cdef uintptr_t s = stream_handle(stream)
+        lock_allocator(self)
+        try:
+            return policy_release_bytes(self, size, s)
+        finally:
+            self.mutex.unlock()
+
     def _stream_pin_handles(self):
         """The handles of the stream objects record_stream keeps alive now (for tests)."""
         with self.pins_lock:
@@ -1295,19 +1306,25 @@ cdef inline Block* lookup_allocated(DeviceCachingAllocator a, uintptr_t ptr) exc
 
 
 cdef inline int allocator_free(DeviceCachingAllocator a, Block* b, uint32_t context_id) except -1:
+    if b.stream_uses.empty():
+        free_unused_block(a, b, context_id)
+        return 0
     # Events first: if recording one fails, insert_events undoes its work and the block is still
-    # allocated, so the caller's free simply did not happen.
-    cdef bint wait_for_streams = not b.stream_uses.empty()
-    if wait_for_streams:
-        if a.captures_underway.empty():
-            insert_events(a, b)
-        else:
-            defer_free(a, b)
+    # allocated, so the caller's free simply did not happen (defer_free is all or nothing too).
+    if a.captures_underway.empty():
+        insert_events(a, b)
+    else:
+        defer_free(a, b)
     commit_free_requested(&a.st, b, context_id)
-    if not wait_for_streams:
-        a.active_blocks.erase(b.ptr)
-        commit_free_completed(&a.st, b, context_id)
     return 0
+
+
+cdef inline void free_unused_block(DeviceCachingAllocator a, Block* b, uint32_t context_id) noexcept nogil:
+    """The free of a live block used on no other stream: back to its pool at once. The one copy
+    of it, for free() and the C entry points' cache hit."""
+    commit_free_requested(&a.st, b, context_id)
+    a.active_blocks.erase(b.ptr)
+    commit_free_completed(&a.st, b, context_id)
 
 
 cdef inline void free_completed(DeviceCachingAllocator a, Block* b) noexcept:
@@ -1411,10 +1428,7 @@ cdef inline int free_cache_hit(DeviceCachingAllocator a, uintptr_t ptr) noexcept
                 or needs_python(a)):
         a.mutex.unlock()
         return 0
-    # allocator_free's branch for a block without stream uses.
-    commit_free_requested(&a.st, b, 0)
-    a.active_blocks.erase(b.ptr)
-    commit_free_completed(&a.st, b, 0)
+    free_unused_block(a, b, 0)
     a.mutex.unlock()
     return 1
 
