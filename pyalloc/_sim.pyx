@@ -212,34 +212,38 @@ _RESULT_NAMES.update({code: name for code, name, _ in _ERRORS.values()})
 # ---------------------------------------------------------------- address ranges of live devices
 
 # As CUDA's unified addressing gives every device of a process its own addresses, each live
-# SimDevice made without base_address takes a slot: slot k places segments from
-# DEFAULT_BASE + k TiB and reservations from DEFAULT_RESERVATION_BASE + k TiB, so the first live
-# device keeps the addresses it always had and no two live devices share one while each keeps
-# its segments and its reservations within 1 TiB. The lowest free slot is taken at construction
-# and given back when the device is deallocated. A device made with base_address takes no slot
-# (its segments are where it was told; its reservations are slot 0's, as before).
+# SimDevice made without base_address takes a slot k: segments from DEFAULT_BASE + k TiB, and
+# reservations from DEFAULT_RESERVATION_BASE + k TiB (from HIGH_RESERVATION_BASE for the slots
+# whose range would reach DEFAULT_BASE). So the first live device keeps the addresses it always
+# had, and no two live devices share one while each keeps its segments and its reservations
+# within 1 TiB. The lowest free slot is taken at construction and given back when the device is
+# deallocated (a device that a stored traceback keeps alive, as hypothesis does for failing
+# examples, keeps its slot). A device made with base_address takes no slot: its segments are
+# where it was told, its reservations slot 0's, as before.
 DEFAULT_BASE = 0x7f0000000000
 DEFAULT_RESERVATION_BASE = 0x200000000000
+HIGH_RESERVATION_BASE = 1 << 61
 ADDRESS_SLOT = 1 << 40
-# Reservation slots end where slot 0's segments begin.
-ADDRESS_SLOTS = (DEFAULT_BASE - DEFAULT_RESERVATION_BASE) // ADDRESS_SLOT
+LOW_SLOTS = (DEFAULT_BASE - DEFAULT_RESERVATION_BASE) // ADDRESS_SLOT
+MAX_SLOTS = 1 << 20          # slot segments stay below HIGH_RESERVATION_BASE
 _taken_slots = set()
 
 
 def _take_slot():
-    for k in range(ADDRESS_SLOTS):
-        if k not in _taken_slots:
-            _taken_slots.add(k)
-            return k
-    # Devices in reference cycles hold their slots until the collector frees them.
-    import gc
-    gc.collect()
-    for k in range(ADDRESS_SLOTS):
-        if k not in _taken_slots:
-            _taken_slots.add(k)
-            return k
-    raise RuntimeError(f"SimDevice: all {ADDRESS_SLOTS} address ranges of simulated devices are "
-                       "taken by live SimDevices; pass base_address to place this one's segments")
+    cdef Py_ssize_t k = 0
+    while k in _taken_slots:
+        k += 1
+    if k >= MAX_SLOTS:
+        raise RuntimeError(f"SimDevice: all {MAX_SLOTS} address ranges of simulated devices are "
+                           "taken by live SimDevices; pass base_address to place this one's segments")
+    _taken_slots.add(k)
+    return k
+
+
+def _slot_reservation_base(k):
+    if k < LOW_SLOTS:
+        return DEFAULT_RESERVATION_BASE + k * ADDRESS_SLOT
+    return HIGH_RESERVATION_BASE + (k - LOW_SLOTS) * ADDRESS_SLOT
 
 
 class _Capture:
@@ -341,6 +345,7 @@ cdef class SimDevice(Backend):
     cdef dict _reservation_placements                  # bytes -> list of queued base addresses
     cdef readonly uintptr_t reservation_base
     cdef uintptr_t _next_stream
+    cdef uintptr_t _first_stream                       # the first handle create_stream gives out
     cdef unordered_set[uintptr_t] _destroyed_streams    # handles destroyed and not handed out again
     cdef vector[uintptr_t] _reusable_streams           # the same, most recently destroyed last
     cdef uintptr_t _next_orphan                        # internal handles of destroyed streams' work
@@ -394,7 +399,7 @@ cdef class SimDevice(Backend):
             if self._slot < 0:      # (__init__ run twice keeps its slot)
                 self._slot = _take_slot()
             self.base_address = DEFAULT_BASE + self._slot * ADDRESS_SLOT
-            self.reservation_base = DEFAULT_RESERVATION_BASE + self._slot * ADDRESS_SLOT
+            self.reservation_base = _slot_reservation_base(self._slot)
         else:
             self.base_address = base_address
             self.reservation_base = DEFAULT_RESERVATION_BASE
@@ -409,6 +414,7 @@ cdef class SimDevice(Backend):
         self._reservation_placements = {}
         self._pending_placements = 0
         self._next_stream = 1 + <uintptr_t>device * DEVICE_STREAMS if 0 < device < 4096 else 1
+        self._first_stream = self._next_stream
         self._next_orphan = DONE_STREAM + 1
         self._streams[DONE_STREAM] = StreamState(UINT64_MAX, UINT64_MAX)
         self._next_event = 1
@@ -449,6 +455,12 @@ cdef class SimDevice(Backend):
         for addr, size in items:
             self._placements.setdefault(size, collections.deque()).append(addr)
         self._pending_placements += len(items)
+
+    @property
+    def address_slot(self):
+        """The address range this device took (slot k: segments from 0x7f0000000000 + k TiB),
+        or None when it was made with base_address."""
+        return None if self._slot < 0 else self._slot
 
     @property
     def pending_placements(self):
@@ -859,7 +871,23 @@ cdef class SimDevice(Backend):
             raise CudaError(call, 400, "CUDA_ERROR_INVALID_HANDLE",
                             f"SimDevice: stream {stream} was destroyed (cuStreamDestroy); a "
                             "driver may crash on such a handle")
+        if stream > 2 and stream < ORPHAN_STREAMS and not (self._first_stream <= stream < self._next_stream):
+            self._check_stream_known(stream, call)
         return 0
+
+    cdef int _check_stream_known(self, uintptr_t stream, str call) except -1:
+        """CudaError INVALID_HANDLE for a handle of this device that create_stream never gave
+        out (0, 1 and 2, the legacy and per-thread handles, are always valid; streams of other
+        devices are theirs to know)."""
+        cdef uintptr_t first = self._first_stream
+        if first <= stream < self._next_stream or self.stream_device(stream) != self.device:
+            return 0
+        made = (f"create_stream gave out {first}..{self._next_stream - 1}"
+                if self._next_stream > first else "create_stream gave out none yet")
+        raise CudaError(call, 400, "CUDA_ERROR_INVALID_HANDLE",
+                        f"SimDevice: stream {stream} was never created on device {self.device} "
+                        f"({made}; 0, 1 and 2 are the legacy and per-thread default streams); a "
+                        "driver may crash on such a handle")
 
     cdef StreamState* _stream(self, uintptr_t stream):
         # operator[] default-constructs: every int is a usable stream handle.
@@ -1214,6 +1242,8 @@ cdef class SimDevice(Backend):
         `stream` is in that capture and the node precedes its terminals. (Work queued on
         `stream` itself runs first, in order. A capture that was invalidated never runs.)"""
         self.counters["check_handout"] += 1
+        if stream > 2 and stream < ORPHAN_STREAMS and not (self._first_stream <= stream < self._next_stream):
+            self._check_stream_known(stream, "malloc")
         cdef uintptr_t end = ptr + nbytes
         cdef uintptr_t x
         cdef uint64_t completed
@@ -1312,7 +1342,13 @@ cdef class SimDevice(Backend):
         self.check_handout(ptr, nbytes, stream)
 
     cdef int stream_alive(self, uintptr_t stream) except -1:
-        return 0 if not self._destroyed_streams.empty() and self._destroyed_streams.count(stream) else 1
+        """0 for a destroyed stream, 1 for a live one; CudaError INVALID_HANDLE for a handle of
+        this device that create_stream never gave out."""
+        if not self._destroyed_streams.empty() and self._destroyed_streams.count(stream):
+            return 0
+        if stream > 2 and stream < ORPHAN_STREAMS and not (self._first_stream <= stream < self._next_stream):
+            self._check_stream_known(stream, "cuStreamQuery")
+        return 1
 
     # ---------------------------------------------------------------- injected failures
 
