@@ -41,7 +41,7 @@ CONFIGS = ["", REUSE, REUSE + ",graph_capture_cross_stream_reuse:True",
            REUSE + ",graph_capture_last_use_marks:True", "expandable_segments:True",
            "max_split_size_mb:20"]
 # Few sizes, mostly small: freed blocks come back often, which is where reuse goes wrong.
-SIZES = st.sampled_from([4 * KiB, 4 * KiB, 512 * KiB, 3 * MiB, 12 * MiB])
+SIZES = st.sampled_from([4 * KiB] * 4 + [512 * KiB, 3 * MiB, 12 * MiB])
 WORKERS = 2
 NUM_STREAMS = 4           # stream 0 and three created ones
 MODES = ("global", "thread_local", "relaxed")
@@ -398,7 +398,7 @@ class _Fixed:
 
 
 ReuseMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
+    max_examples=EXAMPLES, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 TestReuseMachine = ReuseMachine.TestCase
