@@ -123,6 +123,11 @@ cdef class Backend:
     cdef int stream_alive(self, uintptr_t stream) except -1:
         return 1
 
+    def is_stream_alive(self, stream):
+        """stream_alive from Python: False when the backend knows `stream` (an int handle) was
+        destroyed."""
+        return self.stream_alive(stream) == 1
+
     cdef int check_handout(self, uintptr_t ptr, size_t nbytes, uintptr_t stream) except -1:
         return 0
 

@@ -80,7 +80,7 @@ from cpython.object cimport PyObject
 
 from pyalloc._backend cimport (Backend, BACKEND_OK, BACKEND_OOM, CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL,
                                CAPTURE_RELAXED)
-from pyalloc.errors import CudaError
+from pyalloc.errors import CudaError, ReuseError
 import collections
 
 cdef extern from "_placement.h" namespace "pyalloc":
@@ -153,6 +153,99 @@ cdef object _capture_error(str call, str error, str detail):
     return CudaError(call, result, name, f"SimDevice: {detail} ({runtime_name})")
 
 
+# ---------------------------------------------------------------- kernel uses (the reuse sanitizer)
+
+cdef object _use(object u):
+    """A kernel's use as given to launch: an address (an int, 1 byte) or (address, nbytes)."""
+    if isinstance(u, tuple) or isinstance(u, list):
+        if len(u) != 2:
+            raise TypeError(f"SimDevice: a use is an address or (address, nbytes), got {u!r}")
+        addr, nbytes = int(u[0]), int(u[1])
+        if addr < 0 or nbytes <= 0:
+            raise ValueError(f"SimDevice: a use (address, nbytes) needs an address >= 0 and "
+                             f"nbytes > 0, got ({addr:#x}, {nbytes})")
+        return (addr, nbytes)
+    addr = int(u)
+    if addr < 0:
+        raise ValueError(f"SimDevice: a use's address must be >= 0, got {addr}")
+    return addr
+
+
+cdef tuple _uses_of(object uses):
+    return tuple([_use(u) for u in uses])
+
+
+cdef list _spans(tuple uses):
+    """[start, end) byte ranges of normalized uses."""
+    return [(u[0], u[0] + u[1]) if type(u) is tuple else (u, u + 1) for u in uses]
+
+
+cdef str _op_text(tuple op):
+    """What queued a use, for ReuseError: ("launch", n, stream) or ("graph", handle, stream)."""
+    if op[0] == "launch":
+        return f"launch #{op[1]} on stream {op[2]}"
+    return f"graph {op[1]} launched on stream {op[2]}"
+
+
+# ---------------------------------------------------------------- injected driver failures
+
+# The backend operations fail_next can make fail, with the driver call each stands for (the
+# name the CudaError carries, and tests/fake_libcuda.c's fake_fail_next takes).
+_DRIVER_CALLS = {
+    "segment_alloc": "cuMemAlloc", "segment_free": "cuMemFree", "memory_info": "cuMemGetInfo",
+    "event_create": "cuEventCreate", "event_record": "cuEventRecord",
+    "event_query": "cuEventQuery", "event_synchronize": "cuEventSynchronize",
+    "event_destroy": "cuEventDestroy", "stream_synchronize": "cuStreamSynchronize",
+    "device_synchronize": "cuCtxSynchronize", "vm_reserve": "cuMemAddressReserve",
+    "vm_release": "cuMemAddressFree", "vm_map": "cuMemCreate", "vm_unmap": "cuMemUnmap",
+    "capture_begin": "cuStreamBeginCapture", "capture_end": "cuStreamEndCapture",
+    "capture_info": "cuStreamGetCaptureInfo", "node_dependencies": "cuGraphNodeGetDependencies",
+    "graph_launch": "cuGraphLaunch", "graph_destroy": "cuGraphDestroy",
+}
+_OPERATION_OF = {driver: op for op, driver in _DRIVER_CALLS.items()}
+_RESULT_NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY",
+                 400: "CUDA_ERROR_INVALID_HANDLE", 700: "CUDA_ERROR_ILLEGAL_ADDRESS",
+                 999: "CUDA_ERROR_UNKNOWN"}
+_RESULT_NAMES.update({code: name for code, name, _ in _ERRORS.values()})
+
+
+# ---------------------------------------------------------------- address ranges of live devices
+
+# As CUDA's unified addressing gives every device of a process its own addresses, each live
+# SimDevice made without base_address takes a slot k: segments from DEFAULT_BASE + k TiB, and
+# reservations from DEFAULT_RESERVATION_BASE + k TiB (from HIGH_RESERVATION_BASE for the slots
+# whose range would reach DEFAULT_BASE). So the first live device keeps the addresses it always
+# had, and no two live devices share one while each keeps its segments and its reservations
+# within 1 TiB. The lowest free slot is taken at construction and given back when the device is
+# deallocated (a device that a stored traceback keeps alive, as hypothesis does for failing
+# examples, keeps its slot). A device made with base_address takes no slot: its segments are
+# where it was told, its reservations slot 0's, as before.
+DEFAULT_BASE = 0x7f0000000000
+DEFAULT_RESERVATION_BASE = 0x200000000000
+HIGH_RESERVATION_BASE = 1 << 61
+ADDRESS_SLOT = 1 << 40
+LOW_SLOTS = (DEFAULT_BASE - DEFAULT_RESERVATION_BASE) // ADDRESS_SLOT
+MAX_SLOTS = 1 << 20          # slot segments stay below HIGH_RESERVATION_BASE
+_taken_slots = set()
+
+
+def _take_slot():
+    cdef Py_ssize_t k = 0
+    while k in _taken_slots:
+        k += 1
+    if k >= MAX_SLOTS:
+        raise RuntimeError(f"SimDevice: all {MAX_SLOTS} address ranges of simulated devices are "
+                           "taken by live SimDevices; pass base_address to place this one's segments")
+    _taken_slots.add(k)
+    return k
+
+
+def _slot_reservation_base(k):
+    if k < LOW_SLOTS:
+        return DEFAULT_RESERVATION_BASE + k * ADDRESS_SLOT
+    return HIGH_RESERVATION_BASE + (k - LOW_SLOTS) * ADDRESS_SLOT
+
+
 class _Capture:
     """One capture sequence: its streams' terminals (origin first, then in joining order) and its
     nodes in the order they were added."""
@@ -173,14 +266,15 @@ class _Capture:
 class _Node:
     """A node of a capture or graph: "kernel" (launch), "wait" (external event wait) or "graph"
     (a graph launched into a capturing stream)."""
-    __slots__ = ("parents", "uses", "count", "kind", "events")
+    __slots__ = ("parents", "uses", "count", "kind", "events", "op")
 
-    def __init__(self, parents, uses, count, kind, events=()):
+    def __init__(self, parents, uses, count, kind, events=(), op=None):
         self.parents = parents          # tuple of node handles
-        self.uses = uses                # tuple of device pointers
+        self.uses = uses                # tuple of uses: an address (1 byte) or (address, nbytes)
         self.count = count              # units of work when the graph is launched
         self.kind = kind
         self.events = events            # external events awaited ("wait", and "graph" holding waits)
+        self.op = op                    # with check_reuse: the operation that added it (_op_text)
 
 
 class _Graph:
@@ -202,7 +296,11 @@ cdef class SimDevice(Backend):
     Args:
         total_memory: device capacity in bytes (default 80 GiB).
         device: device ordinal reported to the allocator (default 0).
-        base_address: lowest address handed out for segments (default 0x7f0000000000).
+        base_address: lowest address handed out for segments. Default: 0x7f0000000000 for the
+            first live SimDevice made without one, 1 TiB higher for each other live one (and
+            reservations for expandable segments 1 TiB apart from 0x200000000000 likewise), so
+            that live simulated devices never hand out the same address, as under CUDA's unified
+            addressing. Given, it is kept as it is (reservations then start at 0x200000000000).
         alignment: alignment of segment addresses in bytes (default 2 MiB, like cudaMalloc).
         top_down: where a new segment goes when no address is queued for it (place_segments).
             False (default): the lowest free address from base_address up. True: the highest free
@@ -211,6 +309,11 @@ cdef class SimDevice(Backend):
             blocks get split: with top_down, replays of the H200 traces in tests/data under
             settings other than the recorded one reproduce PyTorch's peaks for those settings
             (first fit missed one by 2.9%).
+        check_reuse: the reuse sanitizer (default False: off, at no cost). When True, every
+            use a kernel queues (`launch(..., uses=...)`, `launch_graph`) or a capture holds is
+            recorded, and the allocator, which then calls check_handout for every block it hands
+            out, gets ReuseError where a block may still be used by work not ordered before the
+            receiving stream's next work (see check_handout).
 
     Freeing a segment completes the work queued on every stream first, as cudaFree waits for the
     device before it returns memory (an address it hands out again is then safe to use).
@@ -221,6 +324,7 @@ cdef class SimDevice(Backend):
     latency_us (microseconds, default 0: off), a delay that segment_alloc, segment_free,
     event_record and event_query spend asleep with the GIL released, as a driver call would, so
     that tests can make threads contend the allocator's lock while one is inside the backend.
+    fail_next(call) makes backend operations raise CudaError as a failing driver call would.
     """
 
     cdef readonly size_t total_memory
@@ -241,6 +345,7 @@ cdef class SimDevice(Backend):
     cdef dict _reservation_placements                  # bytes -> list of queued base addresses
     cdef readonly uintptr_t reservation_base
     cdef uintptr_t _next_stream
+    cdef uintptr_t _first_stream                       # the first handle create_stream gives out
     cdef unordered_set[uintptr_t] _destroyed_streams    # handles destroyed and not handed out again
     cdef vector[uintptr_t] _reusable_streams           # the same, most recently destroyed last
     cdef uintptr_t _next_orphan                        # internal handles of destroyed streams' work
@@ -260,25 +365,56 @@ cdef class SimDevice(Backend):
     cdef uint64_t _next_capture
     cdef uintptr_t _next_node
     cdef uintptr_t _next_graph
+    # The reuse sanitizer (check_reuse; see check_handout). Untouched when it is off.
+    cdef dict _uses                                    # stream -> deque of (position, spans, op)
+    cdef uint64_t _launches                            # launch calls so far (names them)
+    # Injected failures (fail_next): operation -> [calls to let through, calls to fail, CUresult].
+    cdef dict _failures
+    cdef int _armed                                    # len(_failures): one test on each call
+    cdef int _slot                                     # address slot (see _take_slot), or -1
 
-    def __init__(self, size_t total_memory=80 * GiB, *, int device=0,
-                 uintptr_t base_address=0x7f0000000000, size_t alignment=2 * MiB, bint top_down=False):
+    def __cinit__(self, *args, **kwargs):
+        self._slot = -1
+
+    def __dealloc__(self):
+        if self._slot >= 0:
+            try:
+                _taken_slots.discard(self._slot)
+            except Exception:       # (module globals gone at interpreter exit)
+                pass
+
+    def __init__(self, size_t total_memory=80 * GiB, *, int device=0, base_address=None,
+                 size_t alignment=2 * MiB, bint top_down=False, bint check_reuse=False):
         if total_memory == 0:
             raise ValueError("total_memory must be a positive number of bytes, got 0")
         if alignment == 0 or (alignment & (alignment - 1)) != 0:
             raise ValueError(f"alignment must be a power of two in bytes, got {alignment}")
+        if base_address is not None and not 0 <= base_address < 2 ** 64:
+            raise ValueError(f"base_address must be an address in [0, 2**64), got {base_address!r}")
         self.device = device
         self.kind = "sim"
         self.total_memory = total_memory
         self.used_memory = 0
-        self.base_address = base_address
+        if base_address is None:
+            if self._slot < 0:      # (__init__ run twice keeps its slot)
+                self._slot = _take_slot()
+            self.base_address = DEFAULT_BASE + self._slot * ADDRESS_SLOT
+            self.reservation_base = _slot_reservation_base(self._slot)
+        else:
+            self.base_address = base_address
+            self.reservation_base = DEFAULT_RESERVATION_BASE
         self.alignment = alignment
         self.top_down = top_down
+        self.checks_reuse = check_reuse
+        self._uses = {}
+        self._launches = 0
+        self._failures = {}
+        self._armed = 0
         self._placements = {}
         self._reservation_placements = {}
-        self.reservation_base = 0x200000000000
         self._pending_placements = 0
         self._next_stream = 1 + <uintptr_t>device * DEVICE_STREAMS if 0 < device < 4096 else 1
+        self._first_stream = self._next_stream
         self._next_orphan = DONE_STREAM + 1
         self._streams[DONE_STREAM] = StreamState(UINT64_MAX, UINT64_MAX)
         self._next_event = 1
@@ -287,7 +423,8 @@ cdef class SimDevice(Backend):
              "event_query", "event_synchronize", "event_destroy", "stream_synchronize",
              "device_synchronize", "vm_reserve", "vm_release", "vm_map", "vm_unmap",
              "capture_begin", "capture_end", "capture_info", "node_dependencies", "graph_launch",
-             "graph_destroy", "memory_calls_during_capture"), 0)
+             "graph_destroy", "memory_calls_during_capture", "check_handout",
+             "injected_failures"), 0)
         self._live = 0
         self._capture_of = {}
         self._live_captures = {}
@@ -318,6 +455,12 @@ cdef class SimDevice(Backend):
         for addr, size in items:
             self._placements.setdefault(size, collections.deque()).append(addr)
         self._pending_placements += len(items)
+
+    @property
+    def address_slot(self):
+        """The address range this device took (slot k: segments from 0x7f0000000000 + k TiB),
+        or None when it was made with base_address."""
+        return None if self._slot < 0 else self._slot
 
     @property
     def pending_placements(self):
@@ -476,6 +619,8 @@ cdef class SimDevice(Backend):
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
         self._driver_latency()
         self.counters["segment_alloc"] += 1
+        if self._armed:
+            self._inject("segment_alloc")
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
         if self.segment_alloc_hook is not None:
@@ -503,6 +648,8 @@ cdef class SimDevice(Backend):
     cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
         self._driver_latency()
         self.counters["segment_free"] += 1
+        if self._armed:
+            self._inject("segment_free")
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
         cdef cppmap[uintptr_t, size_t].iterator it = self._segments.find(ptr)
@@ -517,6 +664,8 @@ cdef class SimDevice(Backend):
 
     cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
         self.counters["memory_info"] += 1
+        if self._armed:
+            self._inject("memory_info")
         free_bytes[0] = self.total_memory - self.used_memory
         total_bytes[0] = self.total_memory
         return BACKEND_OK
@@ -564,6 +713,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
         self.counters["vm_reserve"] += 1
+        if self._armed:
+            self._inject("vm_reserve")
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
         if nbytes == 0 or nbytes % GRANULE:
@@ -587,6 +738,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
         self.counters["vm_release"] += 1
+        if self._armed:
+            self._inject("vm_release")
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
         cdef cppmap[uintptr_t, size_t].iterator it = self._reservations.find(base)
@@ -613,6 +766,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self.counters["vm_map"] += 1
+        if self._armed:
+            self._inject("vm_map")
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
         self._check_range(addr, nbytes, "map")
@@ -632,6 +787,8 @@ cdef class SimDevice(Backend):
 
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self.counters["vm_unmap"] += 1
+        if self._armed:
+            self._inject("vm_unmap")
         if self._live:
             self.counters["memory_calls_during_capture"] += 1
         self._check_range(addr, nbytes, "unmap")
@@ -686,6 +843,11 @@ cdef class SimDevice(Backend):
         # Else everything queued on it is done: its events and the waits on it follow
         # DONE_STREAM, whose work is all complete for good (no state kept per stream).
         self._barriers.erase(stream)
+        if self._uses:
+            # Its pending uses are those of the orphaned work (none when all of it is done).
+            q = self._uses.pop(stream, None)
+            if q is not None and orphan != DONE_STREAM:
+                self._uses[orphan] = q
         # Events recorded on it and waits on it elsewhere now follow the orphaned work.
         cdef pair[uintptr_t, EventState] ev
         for ev in self._events:
@@ -709,7 +871,23 @@ cdef class SimDevice(Backend):
             raise CudaError(call, 400, "CUDA_ERROR_INVALID_HANDLE",
                             f"SimDevice: stream {stream} was destroyed (cuStreamDestroy); a "
                             "driver may crash on such a handle")
+        if stream > 2 and stream < ORPHAN_STREAMS and not (self._first_stream <= stream < self._next_stream):
+            self._check_stream_known(stream, call)
         return 0
+
+    cdef int _check_stream_known(self, uintptr_t stream, str call) except -1:
+        """CudaError INVALID_HANDLE for a handle of this device that create_stream never gave
+        out (0, 1 and 2, the legacy and per-thread handles, are always valid; streams of other
+        devices are theirs to know)."""
+        cdef uintptr_t first = self._first_stream
+        if first <= stream < self._next_stream or self.stream_device(stream) != self.device:
+            return 0
+        made = (f"create_stream gave out {first}..{self._next_stream - 1}"
+                if self._next_stream > first else "create_stream gave out none yet")
+        raise CudaError(call, 400, "CUDA_ERROR_INVALID_HANDLE",
+                        f"SimDevice: stream {stream} was never created on device {self.device} "
+                        f"({made}; 0, 1 and 2 are the legacy and per-thread default streams); a "
+                        "driver may crash on such a handle")
 
     cdef StreamState* _stream(self, uintptr_t stream):
         # operator[] default-constructs: every int is a usable stream handle.
@@ -720,14 +898,21 @@ cdef class SimDevice(Backend):
 
         While `stream` captures, queues nothing: adds one kernel node after the stream's terminals
         (worth `count` units of work when the graph is launched, touching the device pointers in
-        `uses`) and returns the node's handle. Outside capture `uses` is ignored.
+        `uses`) and returns the node's handle. A use is an address (an int: 1 byte) or
+        (address, nbytes). Outside capture `uses` matters only with check_reuse: the uses are
+        pending until this work completes.
         """
         self._check_stream_alive(stream, "cuLaunchKernel")
         if self._live and stream in self._capture_of:
             return self._capture_launch(stream, count, uses)
         cdef StreamState* s = self._stream(stream)
         s.launched += count
-        return s.launched
+        cdef uint64_t launched = s.launched
+        if self.checks_reuse:
+            self._launches += 1
+            if uses:
+                self._queue_uses(stream, launched, _uses_of(uses), ("launch", self._launches, stream))
+        return launched
 
     def pending(self, uintptr_t stream=0):
         """Units of work queued on `stream` and not completed."""
@@ -833,11 +1018,15 @@ cdef class SimDevice(Backend):
 
     cdef int device_synchronize(self) except -1:
         self.counters["device_synchronize"] += 1
+        if self._armed:
+            self._inject("device_synchronize")
         self.synchronize()
         return BACKEND_OK
 
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
         self.counters["stream_synchronize"] += 1
+        if self._armed:
+            self._inject("stream_synchronize")
         self._check_stream_alive(stream, "cuStreamSynchronize")
         if self._live:
             self._stream_sync_in_capture(stream)
@@ -848,6 +1037,8 @@ cdef class SimDevice(Backend):
 
     cdef int event_create(self, uintptr_t* event) except -1:
         self.counters["event_create"] += 1
+        if self._armed:
+            self._inject("event_create")
         event[0] = self._next_event
         self._events[self._next_event] = EventState(0, 0, False, 0, False, self.device)
         self._next_event += 1
@@ -880,6 +1071,8 @@ cdef class SimDevice(Backend):
     cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
         self._driver_latency()
         self.counters["event_record"] += 1
+        if self._armed:
+            self._inject("event_record")
         self._check_stream_alive(stream, "cuEventRecord")
         cdef EventState* e = self._event(event)
         if e.device != self.stream_device(stream):
@@ -902,6 +1095,8 @@ cdef class SimDevice(Backend):
     cdef int event_query(self, uintptr_t event) except -1:
         self._driver_latency()
         self.counters["event_query"] += 1
+        if self._armed:
+            self._inject("event_query")
         cdef EventState* e = self._event(event)
         if e.captured or self._live:
             self._event_use_in_capture(event, e.captured, "cuEventQuery", "query")
@@ -911,6 +1106,8 @@ cdef class SimDevice(Backend):
 
     cdef int event_synchronize(self, uintptr_t event) except -1:
         self.counters["event_synchronize"] += 1
+        if self._armed:
+            self._inject("event_synchronize")
         cdef EventState* e = self._event(event)
         if e.captured or self._live:
             self._event_use_in_capture(event, e.captured, "cuEventSynchronize", "synchronize")
@@ -920,6 +1117,8 @@ cdef class SimDevice(Backend):
 
     cdef int event_destroy(self, uintptr_t event) except -1:
         self.counters["event_destroy"] += 1
+        if self._armed:
+            self._inject("event_destroy")
         if self._event(event).captured:
             del self._event_capture[event]
         self._events.erase(event)
@@ -980,6 +1179,219 @@ cdef class SimDevice(Backend):
             Barrier(self._stream(stream).launched, e.stream, e.target, self._seq, e.seq))
         return 0
 
+    # ---------------------------------------------------------------- the reuse sanitizer
+    #
+    # With check_reuse, each launch outside capture (and each graph launch) that names uses
+    # queues (position, spans, op) on its stream's deque in _uses: the spans are pending until
+    # the stream has completed `position` items (the stream's queued total after that launch).
+    # Positions grow along a deque, so completed uses are popped from its front, lazily: when
+    # the stream queues another use, and at each check_handout.
+
+    cdef int _queue_uses(self, uintptr_t stream, uint64_t position, tuple uses,
+                         tuple op) except -1:
+        cdef uint64_t completed = self._stream(stream).completed
+        if position <= completed:           # (no work: nothing left to use the memory)
+            return 0
+        q = self._uses.get(stream)
+        if q is None:
+            q = self._uses[stream] = collections.deque()
+        else:
+            while q and q[0][0] <= completed:
+                q.popleft()
+        q.append((position, _spans(uses), op))
+        return 0
+
+    cdef dict _frontier(self, uintptr_t stream):
+        """{stream X: items of X that complete before `stream`'s next work}, through the waits
+        queued on `stream` so far and, transitively, the waits those awaited streams had queued
+        before each awaited event was recorded (_reached's rules)."""
+        front = {}
+        seen = {}           # stream -> [(target, before_seq)] walked already
+        stack = [(stream, self._stream(stream).launched, UINT64_MAX)]
+        cdef deque[Barrier]* barriers
+        cdef Barrier b
+        cdef size_t i
+        cdef uintptr_t y
+        cdef uint64_t target, before
+        while stack:
+            y, target, before = stack.pop()
+            walked = seen.get(y)
+            if walked is None:
+                walked = seen[y] = []
+            elif any(t >= target and bs >= before for t, bs in walked):
+                continue    # a walk of y as far or farther found all this one would
+            walked.append((target, before))
+            if front.get(y, 0) < target:
+                front[y] = target
+            barriers = self._queue(y)
+            if barriers == NULL:
+                continue
+            for i in range(barriers.size()):
+                b = deref(barriers)[i]
+                if b.position > target:
+                    break
+                if b.seq < before:
+                    stack.append((b.stream, b.target, b.event_seq))
+        return front
+
+    cdef int check_handout(self, uintptr_t ptr, size_t nbytes, uintptr_t stream) except -1:
+        """Raise ReuseError when [ptr, ptr + nbytes) may still be used by work that is not
+        ordered before `stream`'s next work: a queued use on another stream X at position P that
+        X has not completed and that no wait of `stream` reaches (directly or through other
+        streams' waits, with a target >= P); or a kernel node of an active capture, unless
+        `stream` is in that capture and the node precedes its terminals. (Work queued on
+        `stream` itself runs first, in order. A capture that was invalidated never runs.)"""
+        self.counters["check_handout"] += 1
+        if stream > 2 and stream < ORPHAN_STREAMS and not (self._first_stream <= stream < self._next_stream):
+            self._check_stream_known(stream, "malloc")
+        cdef uintptr_t end = ptr + nbytes
+        cdef uintptr_t x
+        cdef uint64_t completed
+        front = None
+        if self._uses:
+            for x in list(self._uses):
+                q = self._uses[x]
+                completed = self._stream(x).completed
+                while q and q[0][0] <= completed:
+                    q.popleft()
+                if not q:
+                    del self._uses[x]
+                    continue
+                if x == stream:
+                    continue
+                for position, spans, op in q:
+                    for start, stop in spans:
+                        if start < end and ptr < stop:
+                            if front is None:
+                                front = self._frontier(stream)
+                            if front.get(x, 0) >= position:
+                                break
+                            self._reuse_error(ptr, nbytes, stream, x, position, start, stop, op)
+        if self._live:
+            self._check_captured_uses(ptr, nbytes, stream)
+        return 0
+
+    cdef int _reuse_error(self, uintptr_t ptr, size_t nbytes, uintptr_t stream, uintptr_t x,
+                          uint64_t position, start, stop, tuple op) except -1:
+        cdef StreamState* st = self._stream(x)
+        what = _op_text(op)
+        if x == op[2]:
+            where = f"stream {x} has completed {st.completed} of its items and this use ends at item {position}"
+        else:
+            where = (f"stream {op[2]} was destroyed; its work runs on and has completed "
+                     f"{st.completed} of its items, this use ending at item {position}")
+        raise ReuseError(
+            f"SimDevice reuse check: block {ptr:#x} (+{nbytes} bytes) handed out for stream "
+            f"{stream} while {what} still uses [{start:#x}, {stop:#x}) ({where}), and no wait "
+            f"of stream {stream} orders that work before stream {stream}'s next work",
+            ptr=ptr, nbytes=nbytes, stream=stream, use_stream=op[2], operation=what)
+
+    cdef int _check_captured_uses(self, uintptr_t ptr, size_t nbytes, uintptr_t stream) except -1:
+        cdef uintptr_t end = ptr + nbytes
+        mine = self._capture_of.get(stream)
+        reach = None
+        for cap in self._live_captures.values():
+            if cap.status != "active":
+                continue
+            for n in cap.nodes:
+                nd = self._nodes[n]
+                if not nd.uses:
+                    continue
+                for start, stop in _spans(nd.uses):
+                    if not (start < end and ptr < stop):
+                        continue
+                    if cap is mine:
+                        if reach is None:
+                            reach = self._ancestor_set(cap.terminals[stream])
+                            reach.update(cap.terminals[stream])
+                        if n in reach:
+                            break
+                        why = (f"it does not precede stream {stream}'s terminals "
+                               f"{sorted(cap.terminals[stream])}")
+                    else:
+                        why = (f"stream {stream} is not in that capture" if mine is None else
+                               f"stream {stream} is in capture {mine.id}, another one")
+                    what = (_op_text(nd.op) + f", captured as {nd.kind} node {n}" if nd.op
+                            else f"{nd.kind} node {n}")
+                    raise ReuseError(
+                        f"SimDevice reuse check: block {ptr:#x} (+{nbytes} bytes) handed out for "
+                        f"stream {stream} while {what} of capture {cap.id} (begun on stream "
+                        f"{cap.origin}) uses [{start:#x}, {stop:#x}), and {why}: every launch of "
+                        "the graph would use that memory",
+                        ptr=ptr, nbytes=nbytes, stream=stream, use_stream=None,
+                        operation=f"{what} of capture {cap.id}")
+        return 0
+
+    def pending_uses(self):
+        """The uses the sanitizer holds (check_reuse): a list of (stream, end item, [(start,
+        end)], what queued it), completed ones pruned first. Empty when check_reuse is off."""
+        out = []
+        for x in list(self._uses):
+            q = self._uses[x]
+            while q and q[0][0] <= self._stream(x).completed:
+                q.popleft()
+            if not q:
+                del self._uses[x]
+            for position, spans, op in q:
+                out.append((x, position, list(spans), _op_text(op)))
+        return out
+
+    def check_reuse(self, uintptr_t ptr, size_t nbytes, uintptr_t stream=0):
+        """Run the sanitizer's check of a block of `nbytes` bytes at `ptr` handed out for
+        `stream` (what the allocator does for each block it hands out): None, or ReuseError."""
+        self.check_handout(ptr, nbytes, stream)
+
+    cdef int stream_alive(self, uintptr_t stream) except -1:
+        """0 for a destroyed stream, 1 for a live one; CudaError INVALID_HANDLE for a handle of
+        this device that create_stream never gave out."""
+        if not self._destroyed_streams.empty() and self._destroyed_streams.count(stream):
+            return 0
+        if stream > 2 and stream < ORPHAN_STREAMS and not (self._first_stream <= stream < self._next_stream):
+            self._check_stream_known(stream, "cuStreamQuery")
+        return 1
+
+    # ---------------------------------------------------------------- injected failures
+
+    def fail_next(self, call, int count=1, *, int skip=0, int result=999):
+        """Make backend operation `call` fail as a driver call does: after `skip` calls that
+        succeed, the next `count` calls raise CudaError (`result`: the CUresult, default 999,
+        CUDA_ERROR_UNKNOWN) before doing anything, so state is as if they were never made.
+        `call` is the operation's name in `counters` ("segment_alloc", "event_record", ...) or
+        its driver call ("cuMemAlloc", as tests/fake_libcuda.c's fake_fail_next takes). count 0
+        disarms. Each failure adds 1 to counters["injected_failures"] (and the call's own
+        counter counts it, as a call made)."""
+        op = call if call in _DRIVER_CALLS else _OPERATION_OF.get(call)
+        if op is None:
+            raise ValueError(f"SimDevice.fail_next: unknown call {call!r}; one of "
+                             f"{', '.join(sorted(_DRIVER_CALLS))} or their driver calls")
+        if count < 0 or skip < 0:
+            raise ValueError(f"SimDevice.fail_next: count and skip must be >= 0, got {count}, {skip}")
+        if count == 0:
+            self._failures.pop(op, None)
+        else:
+            self._failures[op] = [skip, count, result]
+        self._armed = len(self._failures)
+
+    def armed_failures(self):
+        """{operation: (calls let through first, calls that will fail)} still armed."""
+        return {op: (f[0], f[1]) for op, f in self._failures.items()}
+
+    cdef int _inject(self, str op) except -1:
+        f = self._failures.get(op)
+        if f is None:
+            return 0
+        if f[0] > 0:
+            f[0] -= 1
+            return 0
+        f[1] -= 1
+        if f[1] == 0:
+            del self._failures[op]
+            self._armed = len(self._failures)
+        self.counters["injected_failures"] += 1
+        call = _DRIVER_CALLS[op]
+        raise CudaError(call, f[2], _RESULT_NAMES.get(f[2], ""),
+                        f"SimDevice: injected failure of {op} (fail_next)")
+
 
     # ---------------------------------------------------------------- stream capture
 
@@ -988,6 +1400,8 @@ cdef class SimDevice(Backend):
 
     cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
         self.counters["capture_begin"] += 1
+        if self._armed:
+            self._inject("capture_begin")
         self._check_stream_alive(stream, "cuStreamBeginCapture")
         if mode < CAPTURE_GLOBAL or mode > CAPTURE_RELAXED:
             raise ValueError(f"SimDevice: capture mode must be CAPTURE_GLOBAL (0), CAPTURE_THREAD_LOCAL "
@@ -1035,6 +1449,8 @@ cdef class SimDevice(Backend):
 
     cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
         self.counters["capture_end"] += 1
+        if self._armed:
+            self._inject("capture_end")
         cap = self._capture_of.get(stream) if self._live else None
         if cap is None:
             raise _capture_error("cuStreamEndCapture", "illegal_state",
@@ -1084,7 +1500,13 @@ cdef class SimDevice(Backend):
     cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
                           vector[uintptr_t]* terminals) except -1:
         self.counters["capture_info"] += 1
-        self._check_stream_alive(stream, "cuStreamGetCaptureInfo")
+        if self._armed:
+            self._inject("capture_info")
+        # Destroyed handles only: the allocator asks about every malloc's stream while a route
+        # is active, and callers (tests/test_cuda_cpu.py's CuPy streams) allocate on handles
+        # SimDevice never made; it refuses those where they queue work, record or wait.
+        if not self._destroyed_streams.empty() and self._destroyed_streams.count(stream):
+            self._check_stream_alive(stream, "cuStreamGetCaptureInfo")
         if not self._live:
             return 0
         cap = self._capture_of.get(stream)
@@ -1111,6 +1533,8 @@ cdef class SimDevice(Backend):
 
     cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1:
         self.counters["node_dependencies"] += 1
+        if self._armed:
+            self._inject("node_dependencies")
         nd = self._node(node)
         parents.clear()
         for p in nd.parents:
@@ -1129,7 +1553,11 @@ cdef class SimDevice(Backend):
     cdef object _capture_launch(self, uintptr_t stream, uint64_t count, uses):
         cap = self._capture_of[stream]
         self._check_active(cap, "cuLaunchKernel", stream)
-        return self._add_node(cap, stream, tuple([int(u) for u in uses]), count, "kernel", ())
+        node = self._add_node(cap, stream, _uses_of(uses), count, "kernel", ())
+        if self.checks_reuse:
+            self._launches += 1
+            self._nodes[node].op = ("launch", self._launches, stream)
+        return node
 
     cdef int _capture_record(self, uintptr_t event, EventState* e, uintptr_t stream) except -1:
         cap = self._capture_of[stream]
@@ -1247,6 +1675,9 @@ cdef class SimDevice(Backend):
 
     cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1:
         self.counters["graph_launch"] += 1
+        if self._armed:
+            self._inject("graph_launch")
+        self._check_stream_alive(stream, "cuGraphLaunch")
         gr = self._graph(graph)
         events = []
         uses = {}
@@ -1258,7 +1689,9 @@ cdef class SimDevice(Backend):
         if self._live and stream in self._capture_of:
             cap = self._capture_of[stream]
             self._check_active(cap, "cuGraphLaunch", stream)
-            self._add_node(cap, stream, tuple(uses), gr.work, "graph", tuple(events))
+            node = self._add_node(cap, stream, tuple(uses), gr.work, "graph", tuple(events))
+            if self.checks_reuse:
+                self._nodes[node].op = ("graph", graph, stream)
             return BACKEND_OK
         cdef unordered_map[uintptr_t, EventState].iterator it
         for ev in events:
@@ -1266,10 +1699,17 @@ cdef class SimDevice(Backend):
             if it != self._events.end() and not deref(it).second.captured:
                 self._push_wait(stream, &deref(it).second)
         self._stream(stream).launched += gr.work
+        if self.checks_reuse and uses:
+            # Every node's uses are pending until the graph's work is done: only an event
+            # recorded after the launch orders anything after them.
+            self._queue_uses(stream, self._stream(stream).launched, tuple(uses),
+                             ("graph", graph, stream))
         return BACKEND_OK
 
     cdef int graph_destroy(self, uintptr_t graph) except -1:
         self.counters["graph_destroy"] += 1
+        if self._armed:
+            self._inject("graph_destroy")
         gr = self._graph(graph)
         for n in gr.nodes:
             del self._nodes[n]

@@ -73,3 +73,21 @@ class OwnedByBufferError(PointerError):
 
 class NoCudaDriverError(RuntimeError):
     """The CUDA backend was asked for, but no driver or no GPU is available."""
+
+
+class ReuseError(RuntimeError):
+    """The reuse sanitizer (SimDevice(check_reuse=True)) found a block handed out while work that
+    may still use it is queued or captured and not ordered before the receiving stream's next
+    work: the allocator would let two users touch the same memory at once.
+
+    Attributes: ptr and nbytes (the block handed out, an address and a size in bytes), stream
+    (the receiving stream's handle), use_stream (the stream of the pending use, or None for a
+    captured use), operation (what queued the use, e.g. "launch #12 on stream 3")."""
+
+    def __init__(self, message, *, ptr, nbytes, stream, use_stream, operation):
+        super().__init__(message)
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.stream = stream
+        self.use_stream = use_stream
+        self.operation = operation

@@ -4,9 +4,10 @@ from pyalloc import CachingAllocator, SimDevice
 GiB = 1 << 30
 
 
-def make(config="", total_memory=80 * GiB):
-    """A SimDevice and a CachingAllocator on it with an explicit config (no environment)."""
-    sim = SimDevice(total_memory)
+def make(config="", total_memory=80 * GiB, check_reuse=False):
+    """A SimDevice (with the reuse sanitizer when `check_reuse`) and a CachingAllocator on it
+    with an explicit config (no environment)."""
+    sim = SimDevice(total_memory, check_reuse=check_reuse)
     return sim, CachingAllocator(backend=sim, config=config)
 
 

@@ -5,6 +5,8 @@ Reference: shared/reference/pytorch-allocator.md 4.1-4.4 and 5; #158352's two-st
 #162186's per-stream rule. A kernel is `sim.launch(stream, uses=(ptr, ...))`: during a capture it
 becomes a graph node that uses those blocks.
 """
+import os
+
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
@@ -502,7 +504,8 @@ OPTIONS = ["", REUSE, REUSE + ",graph_capture_cross_stream_reuse:True",
 OPS = ["alloc"] * 6 + ["use"] * 5 + ["free"] * 5 + ["join"] * 2 + ["mark", "alloc_big"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(config=st.sampled_from(OPTIONS),
        ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2), st.integers(0, 2),
                               st.integers(0, 50)),
@@ -510,8 +513,9 @@ OPS = ["alloc"] * 6 + ["use"] * 5 + ["free"] * 5 + ["join"] * 2 + ["mark", "allo
 def test_no_block_is_handed_out_again_before_every_node_that_used_it_precedes_the_new_stream(config, ops):
     """Random 3-stream captures: each block handed out during the capture must not overlap memory
     freed earlier in it unless every node that used that memory is an ancestor of the receiving
-    stream's terminals (the real safety condition, checked on the simulated graph)."""
-    sim, alloc = make(config)
+    stream's terminals (the real safety condition, checked on the simulated graph, and by the
+    reuse sanitizer on every block the allocator hands out)."""
+    sim, alloc = make(config, check_reuse=True)
     streams = [sim.create_stream() for _ in range(3)]
     live = {}          # ptr -> (size, stream)
     used_by = {}       # ptr -> nodes that used it (of the current allocation)
@@ -540,7 +544,7 @@ def test_no_block_is_handed_out_again_before_every_node_that_used_it_precedes_th
                 if op == "use":
                     if sa != home:
                         alloc.record_stream(ptr, sa)
-                    used_by[ptr].add(sim.launch(sa, uses=(ptr,)))
+                    used_by[ptr].add(sim.launch(sa, uses=((ptr, size),)))
                 elif op == "mark":
                     alloc.record_stream(ptr, sa, last_use=True)
                 elif op == "free":

@@ -14,9 +14,15 @@ SMALL_SEGMENT = 2 * MiB       # a small-pool segment (requests up to 1 MiB)
 LARGE_SEGMENT = 20 * MiB      # a large-pool segment for requests in (1 MiB, 10 MiB)
 
 
+BASE = 0x7F0000000000
+
+
 def make_allocator(total_memory=1 << 30, **history):
-    """An allocator on a fresh SimDevice, recording history with `history` as arguments."""
-    alloc = CachingAllocator(backend=SimDevice(total_memory), config="")
+    """An allocator on a fresh SimDevice, recording history with `history` as arguments. Its
+    segments start at BASE even while another test device lives (live SimDevices without a
+    base_address get disjoint addresses), so that two runs of one program trace the same
+    addresses."""
+    alloc = CachingAllocator(backend=SimDevice(total_memory, base_address=BASE), config="")
     alloc.record_memory_history(**history)
     return alloc
 

@@ -21,7 +21,10 @@ bookkeeping and the device's, that
 * each pool's use count is 1 (unless released) + 1 per scope routing to it;
 * a no_split pool's segments are never split;
 * a block freed with recorded streams is not handed out again before the work queued on those
-  streams before the free has completed.
+  streams before the free has completed;
+* the reuse sanitizer (SimDevice(check_reuse=True)) finds no block handed out while a kernel
+  that uses it (record_stream's launches name the block they use) is not ordered before the
+  receiving stream's next work.
 
 and, for the step it just took, that
 
@@ -123,8 +126,8 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def make_device(self, total_memory):
         """(the device view the checks read, the allocator's backend): a SimDevice of
-        `total_memory` bytes, both."""
-        sim = SimDevice(total_memory)
+        `total_memory` bytes with the reuse sanitizer on, both."""
+        sim = SimDevice(total_memory, check_reuse=True)
         return sim, sim
 
     def apply_fraction(self, fraction, total_memory):
@@ -425,7 +428,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.record_stream(ptr, stream)
         if stream != self.live[ptr][1]:       # the allocation stream itself is a no-op
             self.live[ptr][2].add(stream)
-        self.sim.launch(stream, work)
+        self.sim.launch(stream, work, uses=[(ptr, self.live[ptr][0])])
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), offset=st.integers(1, NUM_STREAMS - 1), work=st.integers(1, 3))
@@ -436,7 +439,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         stream = self.streams[(self.streams.index(alloc_stream) + offset) % NUM_STREAMS]
         self.alloc.record_stream(ptr, stream)
         self.live[ptr][2].add(stream)
-        self.sim.launch(stream, work)
+        self.sim.launch(stream, work, uses=[(ptr, self.live[ptr][0])])
         self.free_pointer(ptr)
 
     @rule(stream_index=st.integers(0, NUM_STREAMS - 1), count=st.integers(1, 4))
@@ -672,7 +675,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=1200, stateful_step_count=50, deadline=None,
+    max_examples=int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "1200")), stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 TestAllocatorMachine = AllocatorMachine.TestCase

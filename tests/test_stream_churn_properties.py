@@ -16,8 +16,13 @@ work queued and completed, record_stream, process_events and empty_cache, and ch
 * no stream object the program still holds is destroyed, and, after process_events has run twice
   with all work complete, every stream the program dropped is destroyed but those record_stream
   named for a block still live (none is kept for good);
-* after everything is freed, the work completed and empty_cache, the device holds nothing.
+* after everything is freed, the work completed and empty_cache, the device holds nothing;
+* the reuse sanitizer (SimDevice(check_reuse=True)) finds no block handed out while a kernel
+  that uses it (each launch uses the live blocks of its stream and those recorded for it) is
+  not ordered before the receiving stream's next work.
 """
+import os
+
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -45,7 +50,7 @@ class StreamChurnMachine(RuleBasedStateMachine):
 
     @initialize()
     def make(self):
-        self.sim = SimDevice(512 * MiB)
+        self.sim = SimDevice(512 * MiB, check_reuse=True)
         self.alloc = CachingAllocator(backend=self.sim, config="")
         self.destroyed = set()      # serials of the Stream objects whose __del__ ran
         self.streams = []           # the Stream objects the program holds
@@ -130,8 +135,11 @@ class StreamChurnMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.streams)
     @rule(data=st.data(), count=st.integers(1, 3))
     def launch(self, data, count):
+        # The kernel uses every live block allocated on its stream or recorded for it.
         s = self.pick(data)
-        self.sim.launch(s.ptr, count)
+        uses = [(p, size) for p, (size, handle, serial) in self.live.items()
+                if serial == s.serial or s.serial in self.uses.get(p, ())]
+        self.sim.launch(s.ptr, count, uses=uses)
         self.last_event[s.serial] = self.sim.record_event(s.ptr)
 
     @precondition(lambda self: self.streams)
@@ -191,7 +199,7 @@ class StreamChurnMachine(RuleBasedStateMachine):
 
 
 StreamChurnMachine.TestCase.settings = settings(
-    max_examples=800, stateful_step_count=60, deadline=None,
+    max_examples=int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "800")), stateful_step_count=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 TestStreamChurnMachine = StreamChurnMachine.TestCase
