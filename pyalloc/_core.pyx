@@ -58,6 +58,7 @@ from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLarge
 from pyalloc._state cimport (trace, commit_alloc, commit_free_requested, commit_free_completed,
                              commit_segment_alloc, commit_segment_free)
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, mapped_bytes,
+                                  expandable_growth_bytes,
                                   free_segment_structs)
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
 from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
@@ -2207,8 +2208,12 @@ cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
     if hit != NULL:
         return 0
     cdef size_t alloc_size = segment_size_for(size)
-    cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
-    cdef size_t physical = ((size + page - 1) // page) * page if s.expandable_segments else alloc_size
+    # The device memory the request needs: a segment, or the pages the expandable segment's
+    # growth maps now (the same walk as the real allocation). The steps that test it change no
+    # expandable segment (GC and the max_split_size release skip them), and the full flush,
+    # which does, is the last step: what it releases is released whether the retry fits or not.
+    cdef size_t physical = (expandable_growth_bytes(pool, stream, size) if s.expandable_segments
+                            else alloc_size)
     cdef size_t free_bytes = 0, total_bytes = 0
     a.backend.memory_info(&free_bytes, &total_bytes)
     cdef size_t reserved = a.st.total_allocated_memory

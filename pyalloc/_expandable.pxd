@@ -7,6 +7,7 @@ from pyalloc._backend cimport Backend
 
 cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool* pool,
                                        uintptr_t stream, size_t size, Block** out) except -1
+cdef size_t expandable_growth_bytes(BlockPool* pool, uintptr_t stream, size_t size) noexcept
 cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1
 cdef size_t mapped_bytes(CoreState* st, BlockPool* pool, uintptr_t stream) noexcept
 cdef void free_segment_structs(CoreState* st) noexcept

@@ -46,13 +46,10 @@ cdef size_t merge_into(CoreState* st, Block* dst, Block* src) noexcept:
     return dst.size
 
 
-cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
-                               size_t size, Block** out) except -1:
-    """*out = the lowest free-or-unmapped run of `stream`'s expandable segment with room for `size`
-    bytes, starting at a free block just before the unmapped range when there is one; a new
-    segment (all unmapped) when none has room. Returns 0, or BACKEND_OOM when the address space
-    for a new segment cannot be reserved (the caller's out-of-memory ladder then releases cached
-    segments, whose reservations go with them, and retries)."""
+cdef Block* existing_run(BlockPool* pool, uintptr_t stream, size_t size) noexcept:
+    """The first block of the lowest free-or-unmapped run of `stream`'s expandable segments in
+    `pool` with room for `size` bytes (starting at the free block just before an unmapped range
+    when there is one), or NULL when none has room."""
     cdef Block key
     key.stream = stream
     key.ptr = 0
@@ -71,8 +68,45 @@ cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, 
             room += walk.size
             walk = walk.next
         if room >= size:
-            out[0] = candidate
-            return 0
+            return candidate
+    return NULL
+
+
+cdef inline size_t pages_for(size_t nbytes, size_t page) noexcept nogil:
+    return ((nbytes + page - 1) // page) * page
+
+
+cdef size_t expandable_growth_bytes(BlockPool* pool, uintptr_t stream, size_t size) noexcept:
+    """Bytes of physical memory try_allocate_expandable_block would map now for `size` bytes on
+    `stream` (its mapping loop, counted instead of done; for the release ladder's dry run). A new
+    segment maps the request's pages."""
+    cdef Block* walk = existing_run(pool, stream, size)
+    cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
+    if walk == NULL:
+        return pages_for(size, page)
+    cdef size_t have = 0, need = 0, mapped
+    while have < size:
+        if walk.mapped:
+            have += walk.size
+        else:
+            mapped = min(pages_for(size - have, page), walk.size)
+            need += mapped
+            have += mapped
+        walk = walk.next
+    return need
+
+
+cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
+                               size_t size, Block** out) except -1:
+    """*out = the lowest free-or-unmapped run of `stream`'s expandable segment with room for `size`
+    bytes, starting at a free block just before the unmapped range when there is one; a new
+    segment (all unmapped) when none has room. Returns 0, or BACKEND_OOM when the address space
+    for a new segment cannot be reserved (the caller's out-of-memory ladder then releases cached
+    segments, whose reservations go with them, and retries)."""
+    cdef Block* candidate = existing_run(pool, stream, size)
+    if candidate != NULL:
+        out[0] = candidate
+        return 0
     cdef size_t free_bytes = 0, total_bytes = 0
     backend.memory_info(&free_bytes, &total_bytes)
     cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
@@ -107,9 +141,7 @@ cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) e
     """
     cdef ExpandableSegment* seg = to_map.segment
     cdef size_t page = seg.page_size
-    cdef size_t mapped = ((size + page - 1) // page) * page
-    if mapped > to_map.size:
-        mapped = to_map.size
+    cdef size_t mapped = min(pages_for(size, page), to_map.size)
     if backend.vm_map(to_map.ptr, mapped, page) == BACKEND_OOM:
         return 0
     cdef BlockPool* pool = to_map.pool
