@@ -9,6 +9,7 @@ allocator hands out every allocation at the address PyTorch returned.
 import math
 import sys
 import time
+import types
 from dataclasses import dataclass, field, fields
 
 from pyalloc.config import CudaAllocatorConfig
@@ -586,3 +587,15 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
             lo = mid
     return hi
 
+
+class _CallableModule(types.ModuleType):
+    """This module's type: calling the module calls its replay(). The package exposes the
+    module as pyalloc.replay, so that `import pyalloc.replay` and pyalloc.replay.recorded_oom
+    reach the module, while `pyalloc.replay(trace, ...)`, as the README shows it, still replays
+    (before, the package's attribute was the function, which hid the module of that name)."""
+
+    def __call__(self, *args, **kwargs):
+        return replay(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -6,11 +6,11 @@ supported; `pyalloc replay` built 3 for one). These tests count what a command b
 allocators (CachingAllocator.__init__), replays (the replay loop, pyalloc.replay.replay_entries)
 and checks of the trace (pyalloc.trace.scan_trace).
 """
-import importlib
 from pathlib import Path
 
 import pytest
 
+import pyalloc.replay as replay_module
 from pyalloc import __main__ as cli
 from pyalloc import trace as trace_module
 from pyalloc import tune as tune_module
@@ -23,8 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "small_train.pickle.gz"          # no oom entries, no releases
 OOM_TRACE = REPO / "tests" / "data" / "oom" / "oracle-default.pickle.gz"   # both
 EXPANDABLE = REPO / "tests" / "data" / "resnet_train-expandable.pickle.gz"
-# The module: the package's attribute pyalloc.replay is its replay() function.
-replay_module = importlib.import_module("pyalloc.replay")
 
 
 @pytest.fixture
