@@ -332,8 +332,6 @@ def tune_page(result, curves, title=None):
 
     `result` is a pyalloc.tune.TuneResult; `curves` maps id(row) -> (event indices, maxima) from
     pyalloc.view.reserved_curve for the rows drawn (the ranked rows and the baseline)."""
-    from pyalloc.tune import change_words
-
     name = os.path.basename(result.trace) or "trace"
     drawn = [r for r in result.rows if id(r) in curves]
     rows_data = []
@@ -375,14 +373,7 @@ def tune_page(result, curves, title=None):
     for i, row in enumerate(drawn):
         r = row.result
         ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
-        # The terminal's words ("2.29 GiB more (16.6%)"), not a signed number that reads as a
-        # saving of minus 2.29 GiB.
-        if row.own:
-            saving = "(reference)"
-        elif row.saving is None:
-            saving = "-"
-        else:
-            saving = _esc(change_words(row.saving, row.saving_fraction))
+        saving = _esc(row.saving_words())      # the terminal's words
         cls = " ".join(c for c in ("own" if row.own else "", "best" if row is result.best else "") if c)
         cls_attr = f' class="{cls}"' if cls else ""
         body_rows.append(

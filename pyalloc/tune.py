@@ -121,6 +121,16 @@ class TuneRow:
         own_peak = self.result.peak_reserved + self.saving
         return self.saving / own_peak if own_peak else None
 
+    def saving_words(self):
+        """The "vs the trace's own setting" cell of the table and the page: '(reference)' for
+        the own setting, '-' without a saving, else change_words ('2.29 GiB more (16.6%)', not
+        a signed number that reads as a saving of minus 2.29 GiB)."""
+        if self.own:
+            return "(reference)"
+        if self.saving is None:
+            return "-"
+        return change_words(self.saving, self.saving_fraction)
+
     def as_dict(self):
         out = {"config": self.config, "placement": self.placement, "own": self.own}
         if self.result is not None:
@@ -567,13 +577,7 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
         r = row.result
         mark = ("*" if row.own else "") + ("!" if r.num_ooms else "")
         ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
-        if row.own:
-            change = "(reference)"
-        elif row.saving is None:
-            change = "-"
-        else:
-            change = change_words(row.saving, row.saving_fraction)
-        body.append((f"{rank}{mark}", _label(row.config), format_bytes(r.peak_reserved), change,
+        body.append((f"{rank}{mark}", _label(row.config), format_bytes(r.peak_reserved), row.saving_words(),
                      ratio, f"{r.num_device_alloc:,}", f"{r.num_ooms:,}",
                      *(cell(row) for _, cell in extra), r.num_ooms > 0))
     widths = [max([len(h[0]), len(h[1])] + [len(b[i]) for b in body]) for i, h in enumerate(headers)]
