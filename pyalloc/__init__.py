@@ -42,7 +42,7 @@ except ModuleNotFoundError as _exc:
         raise
     raise _err from None
 from pyalloc.allocator import CachingAllocator
-from pyalloc.replay import replay
+from pyalloc import replay   # the module, callable as its replay() (pyalloc/replay.py)
 from pyalloc.pools import MemPool, graph_pool_handle, use_mem_pool
 from pyalloc.defaults import (
     current_device, default_allocators, empty_cache, free, get_allocator, get_default_backend,

@@ -198,11 +198,12 @@ def _warn(message: str) -> None:
 # -- shared steps -------------------------------------------------------------------------------------
 
 def _load_trace(path: str, device: int, max_bytes: int):
-    """The snapshot dict and its trace entries, or CliError with SnapshotError's message: also for
-    a corrupt trace entry or a setting stored as something other than a string, checked here
-    once so that no command meets them later as an exception. `max_bytes`: --max-input-size."""
-    from pyalloc.replay import check_trace, own_config, trace_devices, trace_entries
+    """The Trace of `device` in the snapshot file `path` (pyalloc.trace), or CliError with
+    SnapshotError's message: also for a corrupt trace entry or a setting stored as something
+    other than a string, checked here once so that no command meets them later as an exception.
+    `max_bytes`: --max-input-size. Every step of the command reads this one Trace."""
     from pyalloc.snapshot import SnapshotError, load
+    from pyalloc.trace import Trace, trace_devices
 
     try:
         snapshot = load(path, max_bytes=max_bytes)
@@ -215,12 +216,9 @@ def _load_trace(path: str, device: int, max_bytes: int):
                        f"holds traces for device{'s' if len(devices) > 1 else ''} {held} "
                        f"(try --device {devices[0]})")
     try:
-        entries = trace_entries(snapshot, device)
-        check_trace(entries, device)
-        own_config(snapshot)
+        return Trace(snapshot, device, path=path)
     except SnapshotError as err:
         raise CliError(f"{path}: {err}") from None
-    return snapshot, entries
 
 
 def _config_error(err, what: str) -> CliError:
@@ -233,18 +231,13 @@ def _config_error(err, what: str) -> CliError:
 
 
 def _check_config(config: str, what: str):
-    """The parsed settings of `config`, or CliError for a malformed or unsupported string."""
+    """The parsed settings of `config`, or CliError for a malformed string."""
     from pyalloc.config import ConfigError, CudaAllocatorConfig
-    from pyalloc.tune import unsupported_reason
 
     try:
-        settings = CudaAllocatorConfig(config)
-        reason = unsupported_reason(config)
+        return CudaAllocatorConfig(config)
     except ConfigError as err:
         raise _config_error(err, what) from None
-    if reason is not None:
-        raise CliError(f"{what} {config!r} cannot be replayed by this pyalloc: {reason}")
-    return settings
 
 
 def _wrapped_warning(wrapped) -> None:
@@ -285,13 +278,12 @@ def _write_dump(snapshot: dict, path: str) -> None:
 def _cmd_replay(args) -> int:
     from pyalloc.errors import format_bytes
     from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, fraction_in_force, gc_without_fraction,
-                                has_oom_entries, implied_device_memory, recorded_oom, replay)
+                                implied_device_memory, recorded_oom, replay, settings_key)
     from pyalloc.snapshot import SnapshotError
-    from pyalloc.tune import (_settings_key, bytes_words, recorded_config, recorded_oom_lines,
-                              report_width)
+    from pyalloc.tune import bytes_words, recorded_oom_lines, report_width
 
-    snapshot, entries = _load_trace(args.trace, args.device, args.max_input_size)
-    own = recorded_config(snapshot)
+    trace = _load_trace(args.trace, args.device, args.max_input_size)
+    own = trace.own_config
     if args.config is None:
         config, what = own, "the trace's own setting"
     else:
@@ -307,7 +299,7 @@ def _cmd_replay(args) -> int:
         # Recorded addresses belong to the sequence of segments the trace's own setting asked
         # for; under another setting they would land on unrelated segments.
         try:
-            same = _settings_key(settings) == _settings_key(_check_config(own, "own"))
+            same = settings_key(settings) == settings_key(_check_config(own, "own"))
         except CliError:
             same = False
         placement = "recorded" if same else "fresh"
@@ -317,9 +309,9 @@ def _cmd_replay(args) -> int:
     # gives it: the device a recorded OOM implies is the one whose fraction gives its limit.
     fraction = fraction_in_force(config, args.memory_fraction)
     oom = None
-    if has_oom_entries(entries):
+    if trace.has_ooms:
         try:
-            oom = recorded_oom(snapshot, device=args.device, memory_fraction=fraction)
+            oom = recorded_oom(trace, device=args.device, memory_fraction=fraction)
         except SnapshotError as err:   # a corrupt trace entry
             raise CliError(f"{args.trace}: {err}") from None
     derived = args.device_memory is None and oom is not None
@@ -336,13 +328,13 @@ def _cmd_replay(args) -> int:
               "empty_cache() calls. If the run called torch.cuda.set_per_process_memory_fraction, "
               "pass that fraction as --memory-fraction.")
     if oom is not None and not args.json:
-        for text in recorded_oom_lines(oom, len(entries), device_memory, derived, fraction,
+        for text in recorded_oom_lines(oom, len(trace.entries), device_memory, derived, fraction,
                                        report_width()):
             print(text)
     def run(placement):
         with _Progress("replay", "ev") as bar:
             # --dump records the replay's own history: its snapshot is a timeline of the replay.
-            return replay(snapshot, config=config, placement=placement, device_memory=device_memory,
+            return replay(trace, config=config, placement=placement, device_memory=device_memory,
                           device=args.device, progress=bar, history=bool(args.dump),
                           memory_fraction=args.memory_fraction)
 
@@ -433,17 +425,17 @@ def _cmd_tune(args) -> int:
             CudaAllocatorConfig(text)
         except ConfigError as err:
             raise _config_error(err, "--config") from None
-    snapshot, entries = _load_trace(args.trace, args.device, args.max_input_size)
+    trace = _load_trace(args.trace, args.device, args.max_input_size)
     if args.html:
         _check_html_path(args.html, "--html")
     # --config alone tries just those settings; --grid adds a whole grid to them.
     grid = args.grid if args.grid is not None else (None if args.config else "default")
     with _Progress("tune", "setting") as bar:
         try:
-            # The path (not the loaded dict) goes to tune: each worker loads the trace itself.
-            result = tune(args.trace, grid=grid, configs=args.config or (), jobs=args.jobs,
+            # The Trace carries its path: a worker that cannot fork loads the file itself.
+            result = tune(trace, grid=grid, configs=args.config or (), jobs=args.jobs,
                           device_memory=args.device_memory, device=args.device, progress=bar,
-                          snapshot=snapshot, memory_fraction=args.memory_fraction, fit=args.fit)
+                          memory_fraction=args.memory_fraction, fit=args.fit)
         except SnapshotError as err:   # a corrupt trace entry
             raise CliError(f"{args.trace}: {err}") from None
     _wrapped_warning(result.wrapped)
@@ -452,7 +444,7 @@ def _cmd_tune(args) -> int:
     else:
         print(format_report(result, report_width()))
     if args.html:
-        _write_tune_html(args.html, result, snapshot, quiet=args.json)
+        _write_tune_html(args.html, result, trace, quiet=args.json)
     if result.best is None:
         print(f"pyalloc: error: no setting could be replayed ({len(result.failed)} failed, "
               f"{len(result.skipped)} skipped)", file=sys.stderr)
@@ -486,11 +478,11 @@ def _write_html(path: str, text: str, what: str) -> int:
         raise CliError(f"{what} {path!r}: {err.strerror or err}") from None
 
 
-def _write_tune_html(path: str, result, snapshot, quiet: bool) -> None:
+def _write_tune_html(path: str, result, trace, quiet: bool) -> None:
     from pyalloc.report_html import tune_page
     from pyalloc.view import tune_curves
 
-    _write_html(path, tune_page(result, tune_curves(result, snapshot)), "--html")
+    _write_html(path, tune_page(result, tune_curves(result, trace)), "--html")
     if not quiet:     # --json: stdout holds the JSON object only
         print(f"chart written to {path}")
 
@@ -503,9 +495,9 @@ def _cmd_view(args) -> int:
 
     if args.output:
         _check_html_path(args.output, "-o")
-    snapshot, _ = _load_trace(args.snapshot, args.device, args.max_input_size)
+    trace = _load_trace(args.snapshot, args.device, args.max_input_size)
     try:
-        view = analyze(snapshot, device=args.device, path=args.snapshot)
+        view = analyze(trace, device=args.device, path=args.snapshot)
     except SnapshotError as err:     # a frame or tag of the wrong shape
         raise CliError(f"{args.snapshot}: {err}") from None
     except (KeyError, TypeError, AttributeError) as err:

@@ -9,13 +9,17 @@ allocator hands out every allocation at the address PyTorch returned.
 import math
 import sys
 import time
+import types
 from dataclasses import dataclass, field, fields
 
 from pyalloc.config import CudaAllocatorConfig
 
 from pyalloc.allocator import CachingAllocator
-from pyalloc.snapshot import SnapshotError, load
-from pyalloc._replay import replay_entries, scan_trace
+from pyalloc.snapshot import SnapshotError
+# The trace's own facts live in pyalloc.trace; these names stay importable from here.
+from pyalloc.trace import (Trace, as_trace, check_trace, looks_wrapped, own_config,  # noqa: F401
+                           trace_devices, trace_entries)
+from pyalloc._replay import replay_entries
 from pyalloc._sim import SimDevice
 
 DEFAULT_DEVICE_MEMORY = 80 << 30
@@ -108,61 +112,17 @@ class ReplayResult:
         return out
 
 
-def trace_devices(snapshot):
-    """The device ordinals whose allocator trace in a snapshot dict is not empty."""
-    return [i for i, t in enumerate(snapshot.get("device_traces") or []) if t]
-
-
-def trace_entries(snapshot, device=0):
-    """The trace of `device` in a snapshot dict, or SnapshotError when it has none (naming the
-    devices whose traces it holds, when there are any)."""
-    traces = snapshot.get("device_traces") or []
-    if device >= len(traces) or not traces[device]:
-        others = trace_devices(snapshot)
-        if others:
-            raise SnapshotError(
-                f"the snapshot holds no allocator trace for device {device}; it holds traces for "
-                f"device{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}")
-        raise SnapshotError(
-            "the snapshot holds no allocator trace for device "
-            f"{device}: record it with torch.cuda.memory._record_memory_history(enabled='all') "
-            "(enabled='state' or no history keeps no trace)")
-    return traces[device]
-
-
-def check_trace(entries, device=0):
-    """scan_trace(entries), with a corrupt entry reported as SnapshotError naming the device, the
-    entry index and the field (an entry that is not a dict, a missing action, an addr, size or
-    stream that is not an int in range)."""
-    try:
-        return scan_trace(entries)
-    except ValueError as err:
-        raise SnapshotError(f"corrupt snapshot: device {device} {err}") from None
-
-
-def looks_wrapped(entries):
-    """True when the trace starts in the middle of a run: frees of blocks it never saw allocated."""
-    seen = set()
-    for e in entries:
-        action = e["action"]
-        if action == "alloc":
-            seen.add(e["addr"])
-        elif action in ("free_requested", "free_completed") and e["addr"] not in seen:
-            return True
-    return False
-
-
-def recorded_reservations(snapshot, map_addrs, device_memory, device=0):
-    """(base, reserved bytes) of the trace's expandable segments, one per pool, in the order the
-    trace first maps into them (`map_addrs`: the addresses of its segment_map entries, in order):
-    the base is the lowest address of that pool's expandable segments in the snapshot's final
-    `segments` list."""
+def recorded_reservations(trace, device_memory):
+    """(base, reserved bytes) of a Trace's expandable segments, one per pool, in the order the
+    trace first maps into them (its segment_map entries): the base is the lowest address of that
+    pool's expandable segments in the snapshot's final `segments` list. Reservation sizes are
+    those of a device of `device_memory` bytes."""
     from pyalloc._expandable import expandable_reservation_size
+    map_addrs = trace.segment_maps
     bases = {}
-    for seg in snapshot.get("segments", []):
-        if seg.get("is_expandable") and seg.get("device", device) == device:
-            small = seg.get("segment_type") == "small"
-            bases[small] = min(bases.get(small, seg["address"]), seg["address"])
+    for seg in trace.expandable_segments:
+        small = seg.get("segment_type") == "small"
+        bases[small] = min(bases.get(small, seg["address"]), seg["address"])
     reservations = [(base, expandable_reservation_size(device_memory, small)) for small, base in bases.items()]
 
     def first_map(reservation):
@@ -175,7 +135,8 @@ def recorded_reservations(snapshot, map_addrs, device_memory, device=0):
 def segment_size_for(rounded):
     """Bytes of the segment PyTorch asks the device for to serve a request of `rounded` bytes
     (already rounded): 2 MiB for a small request (<= 1 MiB), 20 MiB below 10 MiB, else the
-    request rounded up to 2 MiB (reference 1.4)."""
+    request rounded up to 2 MiB (reference 1.4). A copy of the core's rule (_policy.pxd
+    segment_size_for), which Python cannot reach; tests/test_replay_oom.py pins it to PyTorch's."""
     if rounded <= 1 << 20:
         return 2 * MiB
     if rounded < 10 * MiB:
@@ -183,31 +144,18 @@ def segment_size_for(rounded):
     return -(-rounded // (2 * MiB)) * (2 * MiB)
 
 
-def _settings_key(settings):
-    # Two strings that mean the same settings replay identically: compare what they set.
+def settings_key(settings):
+    """A hashable of what a CudaAllocatorConfig sets, not of its text: two strings that mean the
+    same settings ('max_split_size_mb:128' and 'max_split_size_mb:128,') replay identically and
+    have the same key."""
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                         for k, v in vars(settings).items() if k != "last_settings_string"))
-
-
-def own_config(snapshot):
-    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with ('' when it does not say);
-    SnapshotError when it is stored as something other than a string (PyTorch writes a str)."""
-    settings = snapshot.get("allocator_settings")
-    if not isinstance(settings, dict):
-        return ""
-    config = settings.get("PYTORCH_CUDA_ALLOC_CONF")
-    if config is None:
-        return ""
-    if not isinstance(config, str):
-        raise SnapshotError(f"corrupt snapshot: allocator_settings['PYTORCH_CUDA_ALLOC_CONF'] is "
-                            f"{type(config).__name__} {config!r:.80}, expected the setting string")
-    return config
 
 
 def same_settings(config, other):
     """True when the setting strings `config` and `other` set the same values (ConfigError for a
     malformed one)."""
-    return _settings_key(CudaAllocatorConfig(config)) == _settings_key(CudaAllocatorConfig(other))
+    return settings_key(CudaAllocatorConfig(config)) == settings_key(CudaAllocatorConfig(other))
 
 
 def check_memory_fraction(memory_fraction):
@@ -339,11 +287,6 @@ def implied_device_memory(oom):
     return oom.device_memory
 
 
-def has_oom_entries(entries):
-    """True when the trace holds an `oom` entry (a request PyTorch could not serve)."""
-    return any(e.get("action") == "oom" for e in entries)
-
-
 def recorded_oom(trace, *, device=0, memory_fraction=None, check=True):
     """The first recorded out-of-memory of a trace and the device limit it implies
     (RecordedOom), or None when the trace holds no `oom` entry.
@@ -355,21 +298,26 @@ def recorded_oom(trace, *, device=0, memory_fraction=None, check=True):
     ladder, whatever limit the run had. (Where the recorded addresses do not fit, a fresh replay
     with the ladder's releases taken as empty_cache() calls, exact only when every policy release
     was a full flush.) `memory_fraction`: the fraction the run had, if the user knows it
-    (device_memory is then the device under that fraction).
+    (device_memory is then the device under that fraction). `trace`: a Trace, a snapshot dict
+    or a path (pyalloc.trace.as_trace); a Trace keeps the answer, per fraction.
     """
     memory_fraction = check_memory_fraction(memory_fraction)
-    snapshot = load(trace) if not isinstance(trace, dict) else trace
-    entries = trace_entries(snapshot, device)
-    if check:
-        check_trace(entries, device)
-    if not has_oom_entries(entries):
+    trace = as_trace(trace, device, check=check)
+    if not trace.has_ooms:
         return None
-    kwargs = dict(config=own_config(snapshot), device_memory=roomy_device(entries), device=device,
-                  memory_fraction=1.0, attempt_ooms=False, empty_cache_calls=None, check=False)
+    return trace.derived(("recorded_oom", memory_fraction),
+                         lambda: _measure_recorded_oom(trace, memory_fraction))
+
+
+def _measure_recorded_oom(trace, memory_fraction):
+    """recorded_oom's replay and arithmetic, for a Trace that holds oom entries."""
+    kwargs = dict(config=trace.own_config, device_memory=roomy_device(trace.entries),
+                  device=trace.device, memory_fraction=1.0, attempt_ooms=False,
+                  empty_cache_calls=None, check=False)
     try:
-        measured = replay(snapshot, placement="recorded", literal_releases=True, **kwargs)
+        measured = replay(trace, placement="recorded", literal_releases=True, **kwargs)
     except RuntimeError:      # the recorded addresses do not fit this replay
-        measured = replay(snapshot, placement="fresh", **kwargs)
+        measured = replay(trace, placement="fresh", **kwargs)
     bounds = []
     for r in measured.oom_requests:
         segment = segment_size_for(r.size)
@@ -390,16 +338,27 @@ def classify_releases(trace, *, device=0, device_memory=None, memory_fraction=No
     setting, at its addresses where they fit (else fresh), on `device_memory` bytes under
     `memory_fraction` (the run's own limit: with another, the ladder's releases look like calls).
     None when the trace's own setting cannot be replayed here (each replay then classifies under
-    its own setting). The rule: _replay.replay_entries."""
-    snapshot = load(trace) if not isinstance(trace, dict) else trace
-    kwargs = dict(config=own_config(snapshot), device_memory=device_memory, device=device,
+    its own setting). The rule: _replay.replay_entries. `trace`: a Trace, a snapshot dict or a
+    path (pyalloc.trace.as_trace); a Trace keeps the answer per device size and fraction, so
+    the replays of one trace under other settings classify once (each caller gets its own list).
+    """
+    trace = as_trace(trace, device, check=False)
+    device_memory = DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory
+    calls = trace.derived(("release_calls", device_memory, memory_fraction),
+                          lambda: _classify_releases(trace, device_memory, memory_fraction))
+    return None if calls is None else list(calls)
+
+
+def _classify_releases(trace, device_memory, memory_fraction):
+    """classify_releases' replay: a tuple of entry indices, or None."""
+    kwargs = dict(config=trace.own_config, device_memory=device_memory, device=trace.device,
                   memory_fraction=memory_fraction, empty_cache_calls=None, check=False)
     try:
         try:
-            return replay(snapshot, placement="recorded", **kwargs).release_calls
+            return tuple(replay(trace, placement="recorded", **kwargs).release_calls)
         except RuntimeError:
-            return replay(snapshot, placement="fresh", **kwargs).release_calls
-    except (ValueError, NotImplementedError):   # a malformed or unsupported own setting
+            return tuple(replay(trace, placement="fresh", **kwargs).release_calls)
+    except ValueError:     # a malformed own setting (ConfigError) or a corrupt entry
         return None
 
 
@@ -443,7 +402,9 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     """Replay a snapshot's allocation stream through a CachingAllocator on a SimDevice.
 
     Args:
-        trace: a path to a snapshot (.pickle / .pickle.gz) or a snapshot dict.
+        trace: a path to a snapshot (.pickle / .pickle.gz), a snapshot dict, or a
+            pyalloc.trace.Trace of `device` (read once and shared by many replays: what it
+            has checked or classified is not done again).
         config: allocator settings string; None takes the trace's own
             allocator_settings["PYTORCH_CUDA_ALLOC_CONF"].
         placement: "recorded" puts new segments at the trace's segment_alloc addresses;
@@ -480,18 +441,20 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
             Off by default: the replay loop then records nothing.
         check: True (the default) checks every entry before the replay (see check_trace) and
             raises SnapshotError for a corrupt one. False skips that pass under fresh placement,
-            for a trace already checked (tune checks once for all its replays); recorded
-            placement always scans, and so checks, the trace.
-    Returns a ReplayResult.
+            for a trace already checked; recorded placement always scans, and so checks, the
+            trace. A Trace checks once: a later replay of it does not scan again.
+    Returns a ReplayResult. Its `seconds` cover everything after the pickle is loaded: the
+    check when this replay makes it, and reading the events.
     """
     if placement not in ("recorded", "fresh"):
         raise ValueError(f"placement must be 'recorded' or 'fresh', got {placement!r}")
     if not isinstance(history, bool):
         raise TypeError(f"history must be True or False, got {type(history).__name__} {history!r}")
     memory_fraction = check_memory_fraction(memory_fraction)
-    snapshot = load(trace) if not isinstance(trace, dict) else trace
-    entries = trace_entries(snapshot, device)
-    own = own_config(snapshot)
+    # Loaded here (a path) without the check, which the clock below covers.
+    trace = as_trace(trace, device, check=False)
+    entries = trace.entries
+    own = trace.own_config
     if config is None:
         config = own
     device_memory = DEFAULT_DEVICE_MEMORY if device_memory is None else device_memory
@@ -504,28 +467,26 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
         except ValueError:     # the own setting does not parse here: classify under `config`
             foreign = False
         if foreign:
-            if check:
-                check_trace(entries, device)
-                check = placement == "recorded"
-            empty_cache_calls = classify_releases(snapshot, device=device, device_memory=device_memory,
+            if check:      # a corrupt entry is reported as such, not as a failed classification
+                trace.check()
+            empty_cache_calls = classify_releases(trace, device=device, device_memory=device_memory,
                                                   memory_fraction=memory_fraction)
     # The clock covers everything after the pickle is loaded, reading the events included.
     started = time.perf_counter()
     # Fresh segments go top-down: best fit's address tie-breaks then match PyTorch's runs.
     sim = SimDevice(device_memory, device=device, top_down=placement == "fresh")
     if placement == "recorded" or check:
-        segment_allocs, segment_maps = check_trace(entries, device)
+        trace.check()
     if placement == "recorded":
-        sim.place_segments(segment_allocs)
-        if segment_maps:
+        sim.place_segments(trace.segment_allocs)
+        if trace.segment_maps:
             reservations = traced_reservations(entries, device_memory)
             # A trace that starts after its segments were reserved (a wrapped ring buffer) maps
             # below the first address it saw of a segment: when a final segment lies outside
             # every reservation so found, the final snapshot's segments know better.
-            final = [seg["address"] for seg in snapshot.get("segments", [])
-                     if seg.get("is_expandable") and seg.get("device", device) == device]
+            final = [seg["address"] for seg in trace.expandable_segments]
             if not all(any(base <= a < base + size for base, size in reservations) for a in final):
-                reservations = recorded_reservations(snapshot, segment_maps, device_memory, device)
+                reservations = recorded_reservations(trace, device_memory)
             sim.place_reservations(reservations)
     alloc = CachingAllocator(device, backend=sim, config=config)
     if memory_fraction is not None:
@@ -577,20 +538,19 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
     that fits with the next 2 MiB below it not fitting. `empty_cache_calls` as in replay
     (classify_releases' answer; None classifies it first, under the own setting on
     `device_memory`: the device the run had, by default the one its recorded OOM implies, else
-    80 GiB, as replay and tune take it)."""
+    80 GiB, as replay and tune take it). `trace` as in replay: every replay of the bisection
+    shares one Trace."""
     memory_fraction = check_memory_fraction(memory_fraction)
-    snapshot = load(trace) if not isinstance(trace, dict) else trace
-    entries = trace_entries(snapshot, device)
-    if check:
-        check_trace(entries, device)
+    trace = as_trace(trace, device, check=check)
+    entries = trace.entries
     if config is None:
-        config = own_config(snapshot)
+        config = trace.own_config
     memory_fraction = fraction_in_force(config, memory_fraction)
     if empty_cache_calls is None:
         if device_memory is None:
-            oom = recorded_oom(snapshot, device=device, memory_fraction=memory_fraction, check=False)
+            oom = recorded_oom(trace, device=device, memory_fraction=memory_fraction, check=False)
             device_memory = implied_device_memory(oom) if oom is not None else DEFAULT_DEVICE_MEMORY
-        empty_cache_calls = classify_releases(snapshot, device=device, memory_fraction=memory_fraction,
+        empty_cache_calls = classify_releases(trace, device=device, memory_fraction=memory_fraction,
                                               device_memory=device_memory)
     fraction = memory_fraction if memory_fraction is not None and memory_fraction < 1.0 else 1.0
     if ceiling is None:
@@ -599,9 +559,9 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
                   empty_cache_calls=empty_cache_calls, check=False)
 
     def runs(size):
-        return replay(snapshot, device_memory=size, **kwargs).num_ooms == 0
+        return replay(trace, device_memory=size, **kwargs).num_ooms == 0
 
-    roomy = replay(snapshot, device_memory=ceiling, **kwargs)
+    roomy = replay(trace, device_memory=ceiling, **kwargs)
     if roomy.num_ooms:
         return None
 
@@ -626,3 +586,16 @@ def fit_device_memory(trace, *, config=None, device=0, memory_fraction=None, emp
         else:
             lo = mid
     return hi
+
+
+class _CallableModule(types.ModuleType):
+    """This module's type: calling the module calls its replay(). The package exposes the
+    module as pyalloc.replay, so that `import pyalloc.replay` and pyalloc.replay.recorded_oom
+    reach the module, while `pyalloc.replay(trace, ...)`, as the README shows it, still replays
+    (before, the package's attribute was the function, which hid the module of that name)."""
+
+    def __call__(self, *args, **kwargs):
+        return replay(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

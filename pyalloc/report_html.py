@@ -16,13 +16,19 @@ them as SVG; tables and text are plain HTML, readable without the script. Why th
 
 User strings (tags, frames, settings) reach the page only through html.escape or the script's
 textContent, never as markup. Only the standard library is used.
+
+The style and the scripts are package data files beside this module, copied into every page:
+report.css, report_common.js (JSON reading, SVG helpers, axes) and one script per page,
+report_view.js and report_tune.js.
 """
 from __future__ import annotations
 
+import functools
 import html
 import json
 import os
 import re
+from importlib import resources
 
 from pyalloc.errors import format_bytes
 
@@ -112,14 +118,23 @@ class _StackTable:
                 f'{len(frames):,} frames (shown with JavaScript)</span></td>')
 
 
+@functools.cache
+def asset(name):
+    """The text of the package data file pyalloc/`name` (report.css, report_*.js), read once per
+    process through importlib.resources, so that it is found wherever pyalloc is installed."""
+    return resources.files("pyalloc").joinpath(name).read_text(encoding="utf-8")
+
+
 def _page(title, body, data, script):
+    """A whole page: `body` (markup), `data` (the JSON its script reads) and `script`, the name
+    of its own script file, run after report_common.js."""
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{_esc(title)}</title><style>{_CSS}</style></head>\n<body>\n{body}\n"
+            f"<title>{_esc(title)}</title><style>\n{asset('report.css')}</style></head>\n<body>\n{body}\n"
             f"<div id=\"tip\" role=\"tooltip\"></div>\n"
             f"<noscript><p class=\"note\">The charts and the stacks need JavaScript; the tables below do not.</p></noscript>\n"
             f"<script type=\"application/json\" id=\"data\">{_json(data)}</script>\n"
-            f"<script>{_JS_COMMON}{script}</script>\n</body></html>\n")
+            f"<script>\n{asset('report_common.js')}\n{asset(script)}</script>\n</body></html>\n")
 
 
 def write(path, text):
@@ -297,7 +312,7 @@ segment. Hover for details.</p>
 <section id="tags"><h2>Bytes per tag</h2>{tags_html}</section>
 {oom_html}
 <footer class="muted">pyalloc view of {_esc(view.path or name)}</footer>"""
-    return _page(title or f"pyalloc view: {name}", body, data, _JS_VIEW)
+    return _page(title or f"pyalloc view: {name}", body, data, "report_view.js")
 
 
 # ------------------------------------------------------------------------------- pyalloc tune --html
@@ -317,8 +332,6 @@ def tune_page(result, curves, title=None):
 
     `result` is a pyalloc.tune.TuneResult; `curves` maps id(row) -> (event indices, maxima) from
     pyalloc.view.reserved_curve for the rows drawn (the ranked rows and the baseline)."""
-    from pyalloc.tune import change_words
-
     name = os.path.basename(result.trace) or "trace"
     drawn = [r for r in result.rows if id(r) in curves]
     rows_data = []
@@ -360,14 +373,7 @@ def tune_page(result, curves, title=None):
     for i, row in enumerate(drawn):
         r = row.result
         ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
-        # The terminal's words ("2.29 GiB more (16.6%)"), not a signed number that reads as a
-        # saving of minus 2.29 GiB.
-        if row.own:
-            saving = "(reference)"
-        elif row.saving is None:
-            saving = "-"
-        else:
-            saving = _esc(change_words(row.saving, row.saving_fraction))
+        saving = _esc(row.saving_words())      # the terminal's words
         cls = " ".join(c for c in ("own" if row.own else "", "best" if row is result.best else "") if c)
         cls_attr = f' class="{cls}"' if cls else ""
         body_rows.append(
@@ -402,343 +408,4 @@ Hover a row to pick out its curve.</p></div>
 <th>vs the trace's own setting</th><th>device allocs</th><th>OOMs</th></tr></thead><tbody>{"".join(body_rows)}</tbody></table>
 <p class="muted">* the trace's own setting; savings are against its row.</p>{extra}</div></section>
 <footer class="muted">pyalloc tune of {_esc(result.trace)}</footer>"""
-    return _page(title or f"pyalloc tune: {name}", body, data, _JS_TUNE)
-
-
-# ------------------------------------------------------------------------------- styles and scripts
-
-_CSS = """
-[hidden]{display:none!important}
-:root{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#0f172a;background:#fff}
-body{margin:0 auto;padding:16px 24px;max-width:1500px}
-h1{font-size:1.4rem;margin:.2em 0}h2{font-size:1.1rem;margin:1.4em 0 .4em}h3{font-size:.95rem;margin:1em 0 .3em}
-.muted{color:#64748b;font-size:.85rem}code,pre,.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85rem}
-.cards{display:flex;flex-wrap:wrap;gap:12px}.card{border:1px solid #e2e8f0;border-radius:8px;padding:8px 14px;min-width:170px}
-.card .label{font-size:.8rem;color:#475569}.card .value{font-size:1.35rem;font-weight:600}.card.bad{border-color:#dc2626;background:#fef2f2}
-.note{background:#f1f5f9;border-left:4px solid #94a3b8;padding:6px 10px;margin:8px 0;font-size:.88rem}
-.note.warn{background:#fffbeb;border-left-color:#f59e0b}
-.legend{display:flex;flex-wrap:wrap;gap:14px;font-size:.85rem;margin:4px 0}
-.sw{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:5px;vertical-align:-1px}
-.sw.oom{background:repeating-linear-gradient(90deg,#dc2626 0 3px,transparent 3px 5px)}
-.sw.dash{background:repeating-linear-gradient(90deg,#6b7280 0 4px,transparent 4px 7px)}
-svg{width:100%;height:auto;display:block;font-size:12px}svg text{fill:#334155}
-.grid line{stroke:#e2e8f0}.axis text{font-size:11px}.band{opacity:.22}.line{fill:none;stroke-width:1.4}
-.peak circle{stroke:#fff;stroke-width:1.5}.peak text{font-weight:600;font-size:12px}
-.oom-mark line{stroke:#dc2626;stroke-dasharray:4 3;stroke-width:1.2}.oom-mark text{fill:#dc2626;font-weight:700;font-size:11px}
-.guide{stroke:#0f172a;stroke-width:.6;pointer-events:none}
-.controls{font-size:.88rem;margin:6px 0}
-table{border-collapse:collapse;font-size:.85rem;margin:4px 0}th,td{padding:3px 8px;border-bottom:1px solid #e2e8f0;text-align:left;vertical-align:top}
-th{background:#f8fafc;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
-td.frames{max-width:520px}details pre{white-space:pre-wrap;margin:4px 0;max-height:320px;overflow:auto}
-#tip{position:absolute;display:none;pointer-events:none;background:#0f172aee;color:#f8fafc;padding:6px 9px;
-border-radius:6px;font-size:12px;line-height:1.4;max-width:460px;z-index:10;white-space:pre-wrap}
-.recommend{border:2px solid #16a34a;background:#f0fdf4;border-radius:8px;padding:8px 14px;margin:10px 0}
-.recommend .label{font-size:.8rem;color:#166534;text-transform:uppercase;letter-spacing:.05em}
-.recommend pre{font-size:1.05rem;margin:4px 0;white-space:pre-wrap;word-break:break-all}
-.blk{stroke:#fff;stroke-width:.4}
-#tune-table td:first-child{padding-right:0}#tune-svg .axis text{font-size:14px}
-.split{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1fr);gap:24px;align-items:start}
-.split>div{min-width:0;overflow-x:auto}#tune-table{font-size:.8rem}#tune-table th{white-space:normal}#tune-table th,#tune-table td{padding:3px 5px}
-@media (max-width:1100px){.split{grid-template-columns:1fr}}
-#tune-table tr{cursor:default}#tune-table tr.hl td{background:#eef2ff}#tune-table tr.best td{font-weight:600}
-.curve{fill:none;stroke-width:1.4;opacity:.8}.curve.best{stroke-width:3;opacity:1}.curve.dim{opacity:.12}.curve.hl{stroke-width:3.2;opacity:1}
-footer{margin-top:2em}
-"""
-
-_JS_COMMON = r"""
-"use strict";
-const D = JSON.parse(document.getElementById("data").textContent);
-const NS = "http://www.w3.org/2000/svg";
-function el(tag, attrs, parent) {
-  const e = document.createElementNS(NS, tag);
-  for (const k in attrs) e.setAttribute(k, attrs[k]);
-  if (parent) parent.appendChild(e);
-  return e;
-}
-function fmtBytes(b) {
-  for (const [u, s] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 1024]])
-    if (Math.abs(b) >= s) return (b / s).toFixed(2) + " " + u;
-  return b + " B";
-}
-function fmtTime(ms) {          // pyalloc.view.format_ms
-  if (ms < 1) return (ms * 1000).toFixed(0) + " us";
-  if (ms < 1000) return ms.toFixed(2) + " ms";
-  return (ms / 1000).toFixed(3) + " s";
-}
-function fmtInt(n) { return Math.round(n).toLocaleString("en-US"); }
-function niceStep(raw) {
-  const p = 10 ** Math.floor(Math.log10(raw));
-  for (const m of [1, 2, 5, 10]) if (m * p >= raw) return m * p;
-  return 10 * p;
-}
-function byteTicks(max) {
-  let unit = 1, name = "B";
-  for (const [u, s] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 1024]]) if (max >= s) { unit = s; name = u; break; }
-  const step = niceStep(max / unit / 5) * unit;
-  const ticks = [];
-  for (let v = 0; v <= max + step * 1e-9; v += step) ticks.push(v);
-  if (ticks[ticks.length - 1] < max) ticks.push(ticks[ticks.length - 1] + step);
-  return {ticks, top: ticks[ticks.length - 1],
-          label: v => (v / unit).toFixed(step / unit < 1 ? 1 : 0) + " " + name};
-}
-const tip = document.getElementById("tip");
-function showTip(ev, lines) {
-  tip.textContent = lines.join("\n");
-  tip.style.display = "block";
-  const w = tip.offsetWidth, h = tip.offsetHeight;
-  let x = ev.pageX + 14, y = ev.pageY + 14;
-  if (x + w > window.scrollX + document.documentElement.clientWidth - 4) x = ev.pageX - w - 14;
-  if (y + h > window.scrollY + window.innerHeight - 4) y = ev.pageY - h - 14;
-  tip.style.left = x + "px"; tip.style.top = y + "px";
-}
-function hideTip() { tip.style.display = "none"; }
-function svgX(svg, ev, W) { const r = svg.getBoundingClientRect(); return (ev.clientX - r.left) / r.width * W; }
-function axes(svg, W, H, M, n, yinfo, X, Y) {
-  const g = el("g", {class: "grid axis"}, svg);
-  for (const v of yinfo.ticks) {
-    el("line", {x1: M.l, x2: W - M.r, y1: Y(v), y2: Y(v)}, g);
-    el("text", {x: M.l - 6, y: Y(v) + 4, "text-anchor": "end"}, g).textContent = yinfo.label(v);
-  }
-  const step = niceStep(Math.max(1, n) / 8);
-  for (let v = 0; v <= n; v += step) {
-    el("line", {x1: X(v), x2: X(v), y1: H - M.b, y2: H - M.b + 4, stroke: "#94a3b8"}, g);
-    el("text", {x: X(v), y: H - M.b + 16, "text-anchor": "middle"}, g).textContent = fmtInt(v);
-  }
-  el("text", {x: W - M.r, y: H - 4, "text-anchor": "end"}, g).textContent = "trace event";
-}
-"""
-
-_JS_VIEW = r"""
-function bucketAt(x) {            // the bucket holding event index x (binary search on starts)
-  let lo = 0, hi = D.x.length - 1;
-  while (lo < hi) { const mid = (lo + hi + 1) >> 1; if (D.x[mid] <= x) lo = mid; else hi = mid - 1; }
-  return lo;
-}
-function drawTimeline() {
-  const host = document.getElementById("timeline");
-  const W = 1000, H = 360, M = {l: 74, r: 18, t: 30, b: 36};
-  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, id: "timeline-svg", role: "img",
-                          "aria-label": "memory over the trace"}, host);
-  const n = Math.max(1, D.n);
-  let ymax = 1;
-  for (const s of D.series) for (const v of s.hi) if (v > ymax) ymax = v;
-  const yinfo = byteTicks(ymax * 1.06);
-  const X = i => M.l + (W - M.l - M.r) * i / n;
-  const Y = v => H - M.b - (H - M.t - M.b) * v / yinfo.top;
-  axes(svg, W, H, M, n, yinfo, X, Y);
-  const drawn = {};
-  for (const s of D.series) {
-    const g = el("g", {class: "series", "data-name": s.name}, svg);
-    const up = [], down = [];
-    let peak = -1, at = 0;
-    for (let j = 0; j < D.x.length; j++) {
-      const x0 = X(D.x[j]).toFixed(2), x1 = X(Math.min(D.n, D.x[j] + D.bucket)).toFixed(2);
-      const yh = Y(s.hi[j]).toFixed(2), yl = Y(s.lo[j]).toFixed(2);
-      up.push(x0 + "," + yh, x1 + "," + yh);
-      down.push(x0 + "," + yl, x1 + "," + yl);     // reversed below: right to left
-      if (s.hi[j] > peak) { peak = s.hi[j]; at = j; }
-    }
-    el("polygon", {class: "band", fill: s.colour, points: up.concat(down.reverse()).join(" ")}, g);
-    el("polyline", {class: "line", stroke: s.colour, points: up.join(" ")}, g);
-    drawn[s.name] = {peak, at, colour: s.colour};
-    svg.setAttribute("data-drawn-peak-" + s.name, String(peak));
-  }
-  // Peak markers: reserved above its point, the other one below.
-  const marks = ["reserved", D.peakSeries];
-  marks.forEach((name, k) => {
-    const d = drawn[name];
-    if (!d) return;
-    const ev = D.peaks[name][1];
-    const x = X(ev), y = Y(d.peak);
-    const g = el("g", {class: "peak", id: "peak-" + name, "data-bytes": String(d.peak), "data-event": String(ev)}, svg);
-    el("circle", {cx: x, cy: y, r: 4.5, fill: d.colour}, g);
-    const right = x < W * 0.62;
-    const t = el("text", {x: x + (right ? 8 : -8), y: k === 0 ? y - 8 : y + 16, "text-anchor": right ? "start" : "end",
-                           fill: d.colour}, g);
-    t.textContent = `peak ${name} ${fmtBytes(d.peak)}`;
-    t.style.fill = d.colour;
-  });
-  const og = el("g", {class: "ooms"}, svg);
-  D.ooms.forEach((o, k) => {
-    const g = el("g", {class: "oom-mark", "data-event": String(o[0])}, og);
-    el("line", {x1: X(o[0]), x2: X(o[0]), y1: M.t - 6, y2: H - M.b}, g);
-    // The label goes left of a marker near the right edge, which would clip it ("OO").
-    const left = X(o[0]) > W - M.r - 30;
-    if (k < 12) el("text", {x: X(o[0]) + (left ? -3 : 3), y: M.t - 10, "text-anchor": left ? "end" : "start"},
-                   g).textContent = "OOM";
-  });
-  svg.setAttribute("data-oom-marks", String(D.ooms.length));
-  const guide = el("line", {class: "guide", y1: M.t, y2: H - M.b, x1: -10, x2: -10}, svg);
-  const hit = el("rect", {x: M.l, y: M.t - 12, width: W - M.l - M.r, height: H - M.t - M.b + 12, fill: "transparent"}, svg);
-  hit.addEventListener("mousemove", ev => {
-    const x = svgX(svg, ev, W);
-    const e = Math.max(0, Math.min(D.n - 1, Math.floor((x - M.l) / (W - M.l - M.r) * n)));
-    const j = bucketAt(e);
-    guide.setAttribute("x1", X(D.x[j])); guide.setAttribute("x2", X(D.x[j]));
-    const last = Math.min(D.n, D.x[j] + D.bucket) - 1;
-    const lines = [D.bucket > 1 ? `events ${fmtInt(D.x[j])}-${fmtInt(last)}` : `event ${fmtInt(D.x[j])}`];
-    if (D.t[j] !== null) lines.push(`${fmtTime(D.t[j])} into the trace`);
-    for (const s of D.series) lines.push(s.lo[j] === s.hi[j] ? `${s.name}: ${fmtBytes(s.hi[j])}`
-                                         : `${s.name}: ${fmtBytes(s.lo[j])} .. ${fmtBytes(s.hi[j])}`);
-    for (const o of D.ooms) if (o[0] >= D.x[j] && o[0] <= last)
-      lines.push(`OOM at event ${fmtInt(o[0])}: ${fmtBytes(o[1])} requested, ${fmtBytes(o[2])} free`);
-    showTip(ev, lines);
-  });
-  hit.addEventListener("mouseleave", () => { hideTip(); guide.setAttribute("x1", -10); guide.setAttribute("x2", -10); });
-}
-
-const blockRects = [];
-function blockFill(b, mode) {
-  if (b[4] === 1 && mode === "state") return D.stateColours.pending_free;
-  return mode === "tag" ? D.tagColours[b[5]] : D.stateColours.allocated;
-}
-function drawMoment(m, host) {
-  const W = 1000, ROWS = 28, RH = 13, GAP = 4;
-  const H = ROWS * (RH + GAP);
-  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, class: "segmap", "data-moment": m.name,
-                          "data-event": String(m.event), role: "img", "aria-label": "segment map"}, host);
-  const starts = [];
-  let total = 0;
-  for (const s of m.segs) { starts.push(total); total += s[1]; }
-  // Whole bytes per row, so that row boundaries are exact integers (no float drift).
-  const rowBytes = Math.max(1, Math.ceil(total / ROWS));
-  function rowOf(start) {
-    let row = Math.floor(start / rowBytes);
-    while (row > 0 && row * rowBytes > start) row--;
-    while ((row + 1) * rowBytes <= start) row++;
-    return row;
-  }
-  function pieces(start, len, attrs, minW) {
-    const out = [];
-    while (len > 0) {
-      const row = rowOf(start);
-      const off = start - row * rowBytes;
-      const take = Math.min(len, rowBytes - off);     // > 0: off < rowBytes
-      const w = Math.max(minW, take / rowBytes * W);
-      out.push(el("rect", Object.assign({x: (off / rowBytes * W).toFixed(2), y: row * (RH + GAP),
-                                          width: w.toFixed(2), height: RH}, attrs), svg));
-      start += take; len -= take;
-    }
-    return out;
-  }
-  m.segs.forEach((s, i) => pieces(starts[i], s[1], {fill: D.stateColours.free, "data-seg": i}, 0));
-  let allocated = 0, count = 0;
-  const mode = document.querySelector('input[name="colour-by"]:checked').value;
-  m.blocks.forEach((b, k) => {
-    if (b[4] === 0) { allocated += b[2]; count++; }
-    for (const r of pieces(starts[b[0]] + b[1], b[2], {"data-b": k, class: "blk"}, 0.5)) {
-      r.setAttribute("fill", blockFill(b, mode));
-      blockRects.push([r, b]);
-    }
-  });
-  m.segs.forEach((s, i) => {
-    const row = rowOf(starts[i]), x = (starts[i] - row * rowBytes) / rowBytes * W;
-    el("rect", {x: Math.max(0, x - 0.6).toFixed(2), y: row * (RH + GAP) - 1, width: 1.2, height: RH + 2,
-                fill: "#0f172a", "pointer-events": "none"}, svg);
-  });
-  svg.setAttribute("data-drawn-allocated", String(allocated));
-  svg.setAttribute("data-drawn-blocks", String(count));
-  svg.setAttribute("data-drawn-reserved", String(total));
-  svg.addEventListener("mousemove", ev => {
-    const t = ev.target;
-    if (t.hasAttribute("data-b")) {
-      const b = m.blocks[+t.getAttribute("data-b")], s = m.segs[b[0]];
-      showTip(ev, [`block ${fmtBytes(b[2])} (${fmtInt(b[2])} bytes), requested ${fmtBytes(b[3])}`,
-                   b[4] === 0 ? "allocated" : "freed, waiting for its streams (pending free)",
-                   `tag: ${D.tags[b[5]]}`, b[6] >= 0 ? `allocated at event ${fmtInt(b[6])}` : "allocated before the trace",
-                   `address 0x${(s[0] + b[1]).toString(16)}`,
-                   `in segment 0x${s[0].toString(16)} (${fmtBytes(s[1])}${s[2] ? ", expandable" : ""})`]);
-    } else if (t.hasAttribute("data-seg")) {
-      const i = +t.getAttribute("data-seg"), s = m.segs[i];
-      let used = 0;
-      for (const b of m.blocks) if (b[0] === i) used += b[2];
-      showTip(ev, [`segment 0x${s[0].toString(16)}: ${fmtBytes(s[1])}${s[2] ? " (expandable, mapped part)" : ""}`,
-                   `in blocks: ${fmtBytes(used)}; free (cached): ${fmtBytes(s[1] - used)}`]);
-    } else hideTip();
-  });
-  svg.addEventListener("mouseleave", hideTip);
-}
-function stackLine(f) { return `${D.strings[f[0]]}  ${D.strings[f[1]]}:${f[2]}`; }
-function drawStacks() {          // each td.frames[data-stack] gets its stack from D.stacks
-  for (const td of document.querySelectorAll("td.frames[data-stack]")) {
-    const st = D.stacks[+td.dataset.stack], first = st.frames[0];
-    const details = document.createElement("details"), summary = document.createElement("summary");
-    const where = document.createElement("span"), pre = document.createElement("pre");
-    summary.textContent = D.strings[first[0]] + " ";
-    where.className = "muted";
-    where.textContent = `${D.strings[first[1]].split("/").pop()}:${first[2]}`;
-    summary.appendChild(where);
-    pre.textContent = st.frames.map(stackLine).join("\n") + (st.more ? `\n... ${st.more} more frames` : "");
-    details.append(summary, pre);
-    td.replaceChildren(details);
-  }
-}
-function recolour() {
-  const mode = document.querySelector('input[name="colour-by"]:checked').value;
-  for (const [r, b] of blockRects) r.setAttribute("fill", blockFill(b, mode));
-  document.getElementById("state-legend").hidden = mode !== "state";
-  document.getElementById("tag-legend").hidden = mode !== "tag";
-  document.body.setAttribute("data-colour-by", mode);
-}
-drawTimeline();
-drawStacks();
-for (const host of document.querySelectorAll(".maphost")) {
-  const m = D.moments.find(m => m.name === host.getAttribute("data-moment"));
-  if (m) drawMoment(m, host);
-}
-for (const input of document.querySelectorAll('input[name="colour-by"]')) input.addEventListener("change", recolour);
-recolour();
-document.body.setAttribute("data-render-ms", performance.now().toFixed(1));
-document.body.setAttribute("data-rendered", "1");
-"""
-
-_JS_TUNE = r"""
-function drawTune() {
-  const host = document.getElementById("tune-chart");
-  const W = 760, H = 480, M = {l: 70, r: 14, t: 16, b: 36};
-  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, id: "tune-svg", role: "img",
-                          "aria-label": "reserved memory per setting"}, host);
-  const n = Math.max(1, D.n);
-  let ymax = 1;
-  for (const r of D.rows) for (const v of r.y) if (v > ymax) ymax = v;
-  const yinfo = byteTicks(ymax * 1.04);
-  const X = i => M.l + (W - M.l - M.r) * i / n;
-  const Y = v => H - M.b - (H - M.t - M.b) * v / yinfo.top;
-  axes(svg, W, H, M, n, yinfo, X, Y);
-  const paths = {};
-  // The best setting is drawn last, on top of the others.
-  const order = D.rows.slice().sort((a, b) => (a.best - b.best));
-  for (const r of order) {
-    let d = `M${X(r.x[0]).toFixed(2)},${Y(r.y[0]).toFixed(2)}`, peak = r.y[0];
-    for (let j = 1; j < r.x.length; j++) {
-      d += `V${Y(r.y[j]).toFixed(2)}H${X(r.x[j]).toFixed(2)}`;
-      if (r.y[j] > peak) peak = r.y[j];
-    }
-    const p = el("path", {d, class: "curve" + (r.best ? " best" : ""), stroke: r.colour,
-                          "data-config": r.label, "data-row": r.id, "data-drawn-peak": String(peak)}, svg);
-    if (r.dash) p.setAttribute("stroke-dasharray", "6 4");
-    p.addEventListener("mousemove", ev => showTip(ev, [r.label + (r.best ? "  (recommended)" : ""),
-                                                       `peak reserved ${fmtBytes(peak)}`]));
-    p.addEventListener("mouseleave", hideTip);
-    paths[r.id] = p;
-  }
-  function highlight(id) {
-    for (const k in paths) {
-      paths[k].classList.toggle("hl", k === id);
-      paths[k].classList.toggle("dim", id !== null && k !== id);
-      const row = document.getElementById(k);
-      if (row) row.classList.toggle("hl", k === id);
-    }
-    if (id !== null && paths[id]) svg.appendChild(paths[id]);   // bring to the front
-    else { const b = D.rows.find(r => r.best); if (b) svg.appendChild(paths[b.id]); }
-  }
-  for (const tr of document.querySelectorAll("#tune-table tbody tr")) {
-    tr.addEventListener("mouseenter", () => highlight(tr.id));
-    tr.addEventListener("mouseleave", () => highlight(null));
-  }
-  svg.setAttribute("data-curves", String(D.rows.length));
-}
-drawTune();
-document.body.setAttribute("data-render-ms", performance.now().toFixed(1));
-document.body.setAttribute("data-rendered", "1");
-"""
+    return _page(title or f"pyalloc tune: {name}", body, data, "report_tune.js")

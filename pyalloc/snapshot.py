@@ -180,19 +180,6 @@ class StackTable:
         return [{"filename": fn, "line": line, "name": name} for fn, line, name in self._stacks[stack_id]]
 
 
-def capture_stack(skip=0):
-    """The caller's Python stack as PyTorch's frame dicts {filename, line, name}, innermost first.
-
-    The caller's own frame comes first; `skip` drops that many frames from the inner end.
-    """
-    out = []
-    f = sys._getframe(1 + skip)
-    while f is not None:
-        out.append({"filename": f.f_code.co_filename, "line": f.f_lineno, "name": f.f_code.co_name})
-        f = f.f_back
-    return out
-
-
 # ------------------------------------------------------------------------------- building
 
 def build_snapshot(allocator, history, stacks):

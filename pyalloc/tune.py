@@ -44,10 +44,9 @@ from dataclasses import dataclass, field
 from pyalloc.config import CudaAllocatorConfig
 from pyalloc.errors import format_bytes
 from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
-                            check_trace, classify_releases, fit_device_memory, looks_wrapped,
-                            recorded_oom, replay, roomy_device, trace_entries)
-from pyalloc.replay import fraction_in_force, gc_without_fraction, implied_device_memory, own_config
-from pyalloc._replay import trace_flags
+                            classify_releases, fit_device_memory, recorded_oom, replay, settings_key)
+from pyalloc.replay import fraction_in_force, gc_without_fraction, implied_device_memory
+from pyalloc.trace import Trace, as_trace
 from pyalloc.snapshot import load
 
 GRIDS = ("default", "wide")
@@ -67,11 +66,7 @@ _GC_FRACTIONS_WIDE = (0.9, 0.99)
 
 
 def grid_settings(grid: str = "default") -> list[str]:
-    """The candidate setting strings of the named grid ("default" or "wide"), in a fixed order.
-
-    Settings this build cannot replay yet (expandable_segments before it is implemented) are
-    listed too; tune() reports them as skipped (see unsupported_reason).
-    """
+    """The candidate setting strings of the named grid ("default" or "wide"), in a fixed order."""
     if grid not in GRIDS:
         raise ValueError(f"grid must be one of {', '.join(map(repr, GRIDS))}, got {grid!r}")
     wide = grid == "wide"
@@ -96,33 +91,6 @@ def grid_settings(grid: str = "default") -> list[str]:
     return out
 
 
-def _settings_key(settings: CudaAllocatorConfig):
-    # Two strings that mean the same settings ('max_split_size_mb:128' and
-    # 'max_split_size_mb:128,') replay identically: the key ignores the text itself.
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                        for k, v in vars(settings).items() if k != "last_settings_string"))
-
-
-def unsupported_reason(config: str) -> str | None:
-    """None when this pyalloc can replay under the setting string `config`, else the reason (the
-    NotImplementedError message, e.g. for expandable_segments:True before it is implemented).
-    A malformed string raises pyalloc.ConfigError."""
-    from pyalloc.allocator import CachingAllocator
-    from pyalloc._sim import SimDevice
-
-    settings = CudaAllocatorConfig(config)
-    try:
-        CachingAllocator(0, backend=SimDevice(1 << 30), config=settings)
-    except NotImplementedError as err:
-        return str(err) or "not implemented"
-    return None
-
-
-def recorded_config(snapshot: dict) -> str:
-    """The PYTORCH_CUDA_ALLOC_CONF a snapshot was recorded with (replay.own_config)."""
-    return own_config(snapshot)
-
-
 @dataclass
 class TuneRow:
     """One setting's replay. `result` is None when it was skipped or failed (see `error`).
@@ -133,7 +101,7 @@ class TuneRow:
     own: bool                      # the trace's own setting
     result: ReplayResult | None = None
     error: str | None = None       # why it was skipped or failed
-    skipped: bool = False          # True: not supported by this pyalloc (not a failure)
+    skipped: bool = False          # True: the own setting does not parse here (not a failure)
     saving: int | None = None
     fit_memory: int | None = None  # --fit: smallest device memory (bytes) with no OOM; None: none
                                    # up to roomy_device, or not asked
@@ -152,6 +120,16 @@ class TuneRow:
             return None
         own_peak = self.result.peak_reserved + self.saving
         return self.saving / own_peak if own_peak else None
+
+    def saving_words(self):
+        """The "vs the trace's own setting" cell of the table and the page: '(reference)' for
+        the own setting, '-' without a saving, else change_words ('2.29 GiB more (16.6%)', not
+        a signed number that reads as a saving of minus 2.29 GiB)."""
+        if self.own:
+            return "(reference)"
+        if self.saving is None:
+            return "-"
+        return change_words(self.saving, self.saving_fraction)
 
     def as_dict(self):
         out = {"config": self.config, "placement": self.placement, "own": self.own}
@@ -259,22 +237,8 @@ def _json_safe(value):
 
 # -- workers ----------------------------------------------------------------------------------------
 
-_worker_snapshot = None
-
-
-# The fields of a final segment that recorded placement reads (replay.recorded_reservations): the
-# base addresses of the trace's expandable segments, where their reservations go.
-_PLACEMENT_FIELDS = ("address", "total_size", "device", "segment_type", "is_expandable")
-
-
-def _slim(snapshot: dict) -> dict:
-    # A worker needs the traces, the settings and, for recorded placement of expandable segments,
-    # where those segments were; dropping the rest of `segments` (blocks, frames) saves memory in
-    # every worker.
-    segments = [{k: seg[k] for k in _PLACEMENT_FIELDS if k in seg}
-                for seg in snapshot.get("segments") or [] if seg.get("is_expandable")]
-    return {"segments": segments, "device_traces": snapshot.get("device_traces") or [],
-            "allocator_settings": snapshot.get("allocator_settings")}
+# The Trace this process replays jobs on (a worker's, or tune's own while it runs jobs itself).
+_worker_trace = None
 
 
 def _ignore_interrupts():
@@ -284,55 +248,58 @@ def _ignore_interrupts():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _init_worker(source):
-    """Pool initializer: ignore SIGINT, and load the trace once per worker (a path, or a
-    snapshot dict)."""
-    global _worker_snapshot
+def _init_worker(source, device):
+    """Pool initializer: ignore SIGINT, and read the trace of `device` once per worker (a path,
+    or a snapshot dict)."""
+    global _worker_trace
     _ignore_interrupts()
-    # No size limit: tune's own process has loaded this very file within the caller's limit.
-    _worker_snapshot = _slim(load(source, max_bytes=None) if not isinstance(source, dict) else source)
+    # No size limit: tune's own process has loaded this very file within the caller's limit;
+    # and no check: it has checked it too.
+    snapshot = load(source, max_bytes=None) if not isinstance(source, dict) else source
+    _worker_trace = Trace(snapshot, device, check=False).slim()
 
 
 def _replay_job(job):
     """Replay one setting on the worker's trace: (index, ReplayResult or None, skipped, error,
     fit_memory), fit_memory with job's fit flag (else None)."""
-    index, config, placement, device_memory, device, fraction, calls, fit = job
+    index, config, placement, device_memory, fraction, calls, fit = job
+    trace = _worker_trace
     fit_memory = None
     try:
         # tune() checked the trace once before handing out the jobs.
-        result = replay(_worker_snapshot, config=config, placement=placement,
-                        device_memory=device_memory, device=device, check=False,
-                        memory_fraction=fraction, empty_cache_calls=calls)
+        result = replay(trace, config=config, placement=placement, device_memory=device_memory,
+                        device=trace.device, check=False, memory_fraction=fraction,
+                        empty_cache_calls=calls)
         if fit:
-            fit_memory = fit_device_memory(_worker_snapshot, config=config, device=device,
+            fit_memory = fit_device_memory(trace, config=config, device=trace.device,
                                            memory_fraction=fraction, empty_cache_calls=calls,
                                            check=False)
-    except NotImplementedError as err:
-        return index, None, True, str(err) or "not implemented", None
     except Exception as err:  # noqa: BLE001 -- one failing setting must not lose the others
         return index, None, False, f"{type(err).__name__}: {err}", None
     return index, result, False, None, fit_memory
 
 
-def _run_one(job, snapshot):
-    """_replay_job(job) in this process, on `snapshot`."""
-    global _worker_snapshot
-    saved, _worker_snapshot = _worker_snapshot, snapshot
+def _run_one(job, trace):
+    """_replay_job(job) in this process, on the Trace `trace`."""
+    global _worker_trace
+    saved, _worker_trace = _worker_trace, trace
     try:
         return _replay_job(job)
     finally:
-        _worker_snapshot = saved
+        _worker_trace = saved
 
 
-def _run_jobs(jobs, snapshot, source, workers, progress):
-    """Run the jobs in `workers` processes (in this one for 1) and return results by index."""
-    global _worker_snapshot
+def _run_jobs(jobs, trace, source, workers, progress):
+    """Run the jobs on the Trace `trace` in `workers` processes (in this one for 1) and return
+    results by index. `source`: what a worker that cannot fork reads the trace from (its path,
+    or a snapshot dict)."""
+    global _worker_trace
     results = {}
     total = len(jobs)
     if progress is not None:
         progress(0, total)
     if workers <= 1 or total <= 1:
-        saved, _worker_snapshot = _worker_snapshot, snapshot
+        saved, _worker_trace = _worker_trace, trace
         try:
             for job in jobs:
                 out = _replay_job(job)
@@ -340,22 +307,22 @@ def _run_jobs(jobs, snapshot, source, workers, progress):
                 if progress is not None:
                     progress(len(results), total)
         finally:
-            _worker_snapshot = saved
+            _worker_trace = saved
         return results
-    # Where processes can fork, workers inherit the trace this process already loaded (no copy
-    # until written, and a replay only reads it). Elsewhere they load it themselves from its
-    # path: passing the loaded dict would pickle the whole trace to every worker, which costs
-    # about as much as loading it.
-    if snapshot is not None and "fork" in multiprocessing.get_all_start_methods():
-        saved, _worker_snapshot = _worker_snapshot, _slim(snapshot)
+    # Where processes can fork, workers inherit the trace this process already read (no copy
+    # until written, and a replay only reads it), checked and classified. Elsewhere they load
+    # it themselves from its path: passing the loaded dict would pickle the whole trace to
+    # every worker, which costs about as much as loading it.
+    if "fork" in multiprocessing.get_all_start_methods():
+        saved, _worker_trace = _worker_trace, trace.slim()
         pool_args = dict(mp_context=multiprocessing.get_context("fork"), initializer=_ignore_interrupts)
     else:
-        saved = _worker_snapshot
-        pool_args = dict(initializer=_init_worker, initargs=(source,))
+        saved = _worker_trace
+        pool_args = dict(initializer=_init_worker, initargs=(source, trace.device))
     try:
         return _collect(jobs, workers, total, progress, pool_args, results)
     finally:
-        _worker_snapshot = saved
+        _worker_trace = saved
 
 
 def _collect(jobs, workers, total, progress, pool_args, results):
@@ -413,7 +380,8 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     that fit the device by peak reserved bytes, then those that ran out of memory).
 
     Args:
-        trace: path to a snapshot (.pickle / .pickle.gz) or a snapshot dict.
+        trace: path to a snapshot (.pickle / .pickle.gz), a snapshot dict, or a
+            pyalloc.trace.Trace of `device` (its checks and recorded OOM are then reused).
         grid: "default", "wide" or None (no grid: only `configs`).
         configs: more setting strings to try (PyTorch's syntax); ConfigError if one is malformed.
         jobs: worker processes (default os.cpu_count()); 1 replays in this process.
@@ -427,8 +395,8 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
             without an out-of-memory (TuneRow.fit_memory; fit_device_memory).
         device: which device's trace to replay.
         progress: optional callable(done_settings, total_settings).
-        snapshot: the already-loaded dict of `trace` (a path), so that this process does not
-            load it again; worker processes still load it from the path.
+        snapshot: the already-loaded dict (or Trace) of `trace` (a path), so that this process
+            does not load it again; worker processes that cannot fork load it from the path.
     The trace's own setting is the baseline, replayed at the recorded addresses and fresh; every
     other setting is replayed fresh (see the module docstring for why). Raises SnapshotError for
     a file that is not a snapshot, holds no trace for `device` or has a corrupt trace entry
@@ -443,17 +411,17 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
         raise TypeError("configs must be a list of setting strings, not one string")
     candidates = (grid_settings(grid) if grid is not None else []) + list(configs)
     parsed = [CudaAllocatorConfig(c) for c in candidates]   # ConfigError before any work
-    if snapshot is None:
-        snapshot = trace if isinstance(trace, dict) else load(trace)
-    entries = trace_entries(snapshot, device)
-    check_trace(entries, device)
-    own = recorded_config(snapshot)
-    has_releases, has_ooms = trace_flags(entries)
+    if snapshot is not None and not isinstance(trace, (dict, Trace)):
+        read = snapshot if isinstance(snapshot, Trace) else Trace(snapshot, device, path=trace)
+    else:
+        read = as_trace(trace, device)
+    read.check()
+    own = read.own_config
     # The device a recorded OOM implies is the one whose fraction gives its limit: the run's
     # fraction, given here or in its own setting (per_process_memory_fraction).
-    oom = (recorded_oom(snapshot, device=device, memory_fraction=fraction_in_force(own, memory_fraction),
+    oom = (recorded_oom(read, device=device, memory_fraction=fraction_in_force(own, memory_fraction),
                         check=False)
-           if has_ooms else None)
+           if read.has_ooms else None)
     derived = device_memory is None and oom is not None
     if device_memory is None:
         device_memory = implied_device_memory(oom) if oom is not None else DEFAULT_DEVICE_MEMORY
@@ -462,7 +430,7 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     baseline = TuneRow(own, "recorded", own=True)
     own_fresh = TuneRow(own, "fresh", own=True)
     try:
-        own_key = _settings_key(CudaAllocatorConfig(own))
+        own_key = settings_key(CudaAllocatorConfig(own))
     except ValueError as err:   # a setting pyalloc cannot parse (ConfigError is a ValueError)
         own_key = None
         for row in (baseline, own_fresh):
@@ -470,43 +438,38 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
             row.error, row.skipped = f"the trace's own setting is not valid here: {reason}", True
     seen = {own_key}
     for text, settings in zip(candidates, parsed):
-        key = _settings_key(settings)
+        key = settings_key(settings)
         if key in seen:      # the own setting, or a repeat of an earlier candidate
             continue
         seen.add(key)
         rows.append(TuneRow(text, "fresh", own=False))
-    for row in [baseline, own_fresh] + rows:
-        if row.error is None:
-            reason = unsupported_reason(row.config)
-            if reason is not None:
-                row.error, row.skipped = reason, True
 
     # The baseline runs first, here: its replay (the own setting at the trace's addresses and
     # limit) decides which segment frees were empty_cache() calls, for every other replay.
     # (A trace without segment frees has nothing to classify: the baseline then runs with the
     # others, in parallel.)
-    calls = None if has_releases else []
+    calls = None if read.has_releases else []
     if baseline.error is None and calls is None:
         _, baseline.result, baseline.skipped, baseline.error, _ = _run_one(
-            (0, own, "recorded", device_memory, device, memory_fraction, None, False), snapshot)
+            (0, own, "recorded", device_memory, memory_fraction, None, False), read)
         if baseline.result is not None:
             calls = baseline.result.release_calls
     if calls is None and own_fresh.error is None:
-        calls = classify_releases(snapshot, device=device, device_memory=device_memory,
+        calls = classify_releases(read, device=device, device_memory=device_memory,
                                   memory_fraction=memory_fraction)
     to_run = [row for row in [baseline] if row.error is None and row.result is None]
     to_run += [row for row in [own_fresh] + rows if row.error is None]
-    job_list = [(i, row.config, row.placement, device_memory, device, memory_fraction, calls,
+    job_list = [(i, row.config, row.placement, device_memory, memory_fraction, calls,
                  fit and row is not baseline) for i, row in enumerate(to_run)]
-    source = trace if isinstance(trace, dict) else str(trace)
-    outcomes = _run_jobs(job_list, snapshot, source, jobs, progress)
+    source = read.path if read.path is not None else read.slim().snapshot
+    outcomes = _run_jobs(job_list, read, source, jobs, progress)
     for i, row in enumerate(to_run):
         _, row.result, row.skipped, row.error, row.fit_memory = outcomes[i]
 
     ran = [r for r in [own_fresh] + rows if r.result is not None]
     # Every replay notices a wrapped trace (frees of blocks it never saw); ask one that ran.
     replayed = [r.result for r in [baseline] + ran if r.result is not None]
-    wrapped = replayed[0].wrapped if replayed else looks_wrapped(entries)
+    wrapped = replayed[0].wrapped if replayed else read.wrapped
     reference = own_fresh.result
     if reference is not None:
         for row in ran:
@@ -516,9 +479,8 @@ def tune(trace, *, grid="default", configs=(), jobs=None, device_memory=None, de
     best = ran[0] if ran else None
     not_run = [r for r in [baseline, own_fresh] + rows if r.result is None]
     return TuneResult(
-        trace=str(trace) if not isinstance(trace, dict) else "<snapshot>", device=device,
-        device_memory=device_memory, events=len(entries),
-        allocations=sum(1 for e in entries if e["action"] == "alloc"),
+        trace=read.path if read.path is not None else "<snapshot>", device=device,
+        device_memory=device_memory, events=len(read.entries), allocations=read.allocations,
         wrapped=wrapped, own_config=own, baseline=baseline, rows=ran,
         # The own setting's fresh row repeats the baseline's reason when both were skipped.
         skipped=[r for r in not_run if r.skipped and not (r is own_fresh and baseline.skipped)],
@@ -615,13 +577,7 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
         r = row.result
         mark = ("*" if row.own else "") + ("!" if r.num_ooms else "")
         ratio = f"{r.reserved_over_requested:.3f}" if r.peak_requested else "-"
-        if row.own:
-            change = "(reference)"
-        elif row.saving is None:
-            change = "-"
-        else:
-            change = change_words(row.saving, row.saving_fraction)
-        body.append((f"{rank}{mark}", _label(row.config), format_bytes(r.peak_reserved), change,
+        body.append((f"{rank}{mark}", _label(row.config), format_bytes(r.peak_reserved), row.saving_words(),
                      ratio, f"{r.num_device_alloc:,}", f"{r.num_ooms:,}",
                      *(cell(row) for _, cell in extra), r.num_ooms > 0))
     widths = [max([len(h[0]), len(h[1])] + [len(b[i]) for b in body]) for i, h in enumerate(headers)]

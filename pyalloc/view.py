@@ -31,7 +31,8 @@ import textwrap
 from dataclasses import dataclass, field
 
 from pyalloc.errors import format_bytes
-from pyalloc.replay import DEFAULT_DEVICE_MEMORY, own_config, replay, trace_entries
+from pyalloc.replay import DEFAULT_DEVICE_MEMORY, replay
+from pyalloc.trace import as_trace
 
 SERIES = ("reserved", "allocated", "requested")
 DEFAULT_BUCKETS = 2000      # timeline points: ~2 per pixel of a wide screen
@@ -301,9 +302,10 @@ def _replay_device_memory(peak_reserved):
     return 1 << math.ceil(math.log2(peak_reserved * 1.25))
 
 
-def _block_sizes(snapshot, entries, device, config, peak_reserved):
-    """{alloc event index: block bytes} from a replay under `config`, and a note (None when
-    every alloc got a block), or (None, reason) when the setting cannot be replayed."""
+def _block_sizes(trace, config, peak_reserved):
+    """{alloc event index: block bytes} from a replay of the Trace `trace` under `config`, and a
+    note (None when every alloc got a block), or (None, reason) when the setting cannot be
+    replayed. `peak_reserved`: the trace's most reserved bytes, which the device must hold."""
     from pyalloc.config import ConfigError
     from pyalloc.snapshot import SnapshotError
 
@@ -320,10 +322,10 @@ def _block_sizes(snapshot, entries, device, config, peak_reserved):
         values.clear()
         holder.clear()
         try:
-            replay(snapshot, config=config, placement=placement, device=device,
+            replay(trace, config=config, placement=placement, device=trace.device,
                    device_memory=_replay_device_memory(peak_reserved),
                    progress=sample, progress_every=1, on_start=holder.append)
-        except (NotImplementedError, ConfigError, SnapshotError) as err:
+        except (ConfigError, SnapshotError) as err:
             reason = (str(err) or type(err).__name__).splitlines()[0]   # ConfigError adds a caret line
             return None, f"the trace's setting {config!r} cannot be replayed by this pyalloc: {reason}"
         except (RuntimeError, ValueError, MemoryError) as err:
@@ -334,6 +336,7 @@ def _block_sizes(snapshot, entries, device, config, peak_reserved):
         return None, f"replaying the trace failed ({type(last_error).__name__}: {last_error})"
     sizes = {}
     before = 0
+    entries = trace.entries
     n = len(entries)
     missing = 0
     for i, value in zip(points, values):
@@ -354,19 +357,23 @@ def analyze(snapshot, *, device=0, path="", buckets=DEFAULT_BUCKETS, top=TOP_ALL
             block_sizes=True):
     """Rebuild a trace's memory over time (see the module docstring). Returns a MemoryView.
 
-    `block_sizes=False` skips the replay: allocated bytes are then not reported. Raises
+    `snapshot`: a snapshot dict or a pyalloc.trace.Trace of `device` (the command line's, read
+    once). `block_sizes=False` skips the replay: allocated bytes are then not reported. Raises
     SnapshotError when the snapshot holds no trace for `device`, or a tag or stack of the wrong
     shape (_Strings).
     """
-    entries = trace_entries(snapshot, device)
+    # No check here: the walk reads only what it finds, and the replay checks what it reads.
+    trace = as_trace(snapshot, device, check=False)
+    snapshot = trace.snapshot
+    entries = trace.entries
     n = len(entries)
-    config = own_config(snapshot)
+    config = trace.own_config
     strings = _Strings()
     scan = _prescan(entries)
     init_blocks, init_ranges = _initial_state(snapshot, entries, device, scan, strings)
     notes = []
     if block_sizes:
-        sizes, allocated_note = _block_sizes(snapshot, entries, device, config, scan[-1])
+        sizes, allocated_note = _block_sizes(trace, config, scan[-1])
     else:
         sizes, allocated_note = None, "allocated bytes were not computed (no replay asked for)"
     if sizes is None:
@@ -670,9 +677,9 @@ def reserved_curve(snapshot, config, *, placement="fresh", device=0, device_memo
     maximum of memory_reserved() over the events since the previous point, about `points` of
     them. The replay's progress callback samples the allocator; the peak statistic is reset at
     each sample, so each point is that stretch's own maximum and the curve's maximum is the
-    replay's peak reserved."""
-    entries = trace_entries(snapshot, device)
-    every = max(1, len(entries) // max(1, points))
+    replay's peak reserved. `snapshot`: a snapshot dict or a pyalloc.trace.Trace of `device`."""
+    trace = as_trace(snapshot, device, check=False)
+    every = max(1, len(trace.entries) // max(1, points))
     xs, ys = [0], [0]
     holder = []
 
@@ -682,7 +689,7 @@ def reserved_curve(snapshot, config, *, placement="fresh", device=0, device_memo
         ys.append(allocator.max_memory_reserved())
         allocator.reset_peak_memory_stats()
 
-    replay(snapshot, config=config, placement=placement, device=device, device_memory=device_memory,
+    replay(trace, config=config, placement=placement, device=device, device_memory=device_memory,
            progress=sample, progress_every=every, on_start=holder.append,
            memory_fraction=memory_fraction, empty_cache_calls=empty_cache_calls)
     return xs, ys
@@ -691,11 +698,12 @@ def reserved_curve(snapshot, config, *, placement="fresh", device=0, device_memo
 def tune_curves(result, snapshot, *, points=CURVE_POINTS):
     """{id(row): reserved_curve(...)} for a pyalloc.tune.TuneResult's ranked rows and its baseline,
     each replayed again as tune replayed it (same setting, placement, device, device size, memory
-    fraction and empty_cache calls)."""
+    fraction and empty_cache calls). `snapshot`: a snapshot dict or a Trace, read once for all."""
+    trace = as_trace(snapshot, result.device, check=False)
     curves = {}
     for row in list(result.rows) + [result.baseline]:
         if row.result is not None:
-            curves[id(row)] = reserved_curve(snapshot, row.config, placement=row.placement,
+            curves[id(row)] = reserved_curve(trace, row.config, placement=row.placement,
                                              device=result.device, device_memory=result.device_memory,
                                              points=points, memory_fraction=result.memory_fraction,
                                              empty_cache_calls=result.empty_cache_calls)

@@ -26,7 +26,7 @@ from pyalloc import tune as tune_module
 from pyalloc.allocator import CachingAllocator
 from pyalloc.config import CudaAllocatorConfig
 from pyalloc.errors import format_bytes
-from pyalloc.replay import looks_wrapped, replay
+from pyalloc.replay import looks_wrapped, replay, settings_key
 from pyalloc.snapshot import load
 from pyalloc._sim import SimDevice
 
@@ -36,8 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "tests" / "data"          # in the repository: a missing file fails, nothing skips
 PEAKS_FILE = TRACES / "torch-peaks.jsonl"
 PEAKS = [json.loads(line) for line in PEAKS_FILE.read_text().splitlines() if line.strip()]
-# Runs whose setting this pyalloc can replay (expandable runs since expandable segments landed).
-REPLAYABLE = [p for p in PEAKS if tune_module.unsupported_reason(p["conf"]) is None]
 RESNET = TRACES / "resnet_train-default.pickle.gz"
 EXAMPLES = REPO / "examples"
 EXAMPLE = EXAMPLES / "small_train.pickle.gz"
@@ -170,7 +168,7 @@ def test_replay_json_figures_are_those_of_the_library_replay(capsys, trace_file)
         assert data[key] == expected[key], key
 
 
-@pytest.mark.parametrize("peaks", REPLAYABLE, ids=lambda p: f"{p['workload']}-{p['tag']}")
+@pytest.mark.parametrize("peaks", PEAKS, ids=lambda p: f"{p['workload']}-{p['tag']}")
 def test_replay_recorded_placement_reproduces_torch_peaks(capsys, peaks):
     data, _ = run_json(capsys, "replay", TRACES / f"{peaks['workload']}-{peaks['tag']}.pickle.gz")
     assert data["placement"] == "recorded"
@@ -423,13 +421,6 @@ def test_unparsable_own_setting_is_one_line_error_that_suggests_config(capsys, t
     path = write_snapshot(tmp_path / "t.pickle.gz", synthetic_snapshot(conf="backend:cudaMallocAsync"))
     assert_one_line_error(*run(capsys, "replay", path), "the trace's own setting",
                           "cudaMallocAsync", "--config")
-
-
-def test_setting_the_allocator_cannot_replay_is_one_line_error(capsys, trace_file, monkeypatch):
-    monkeypatch.setattr(tune_module, "unsupported_reason",
-                        lambda c: "not in this build" if "roundup" in c else None)
-    assert_one_line_error(*run(capsys, "replay", trace_file, "--config", "roundup_power2_divisions:4"),
-                          "cannot be replayed", "not in this build")
 
 
 @pytest.mark.parametrize("value", ["80XB", "abc", "-5", "0", "0GiB", "1.5", "1e9", "80 XiB", ""])
@@ -876,31 +867,25 @@ def test_tune_skips_a_repeat_of_the_own_setting(capsys, trace_file):
     assert sum(r["config"].startswith("max_split_size_mb:64") for r in data["results"]) == 1
 
 
-def test_tune_reports_unsupported_settings_as_skipped(capsys, trace_file, monkeypatch):
-    monkeypatch.setattr(tune_module, "unsupported_reason",
-                        lambda c: "not in this build" if "roundup" in c else None)
-    data, _ = tune_json(capsys, trace_file, "--jobs", "1")
-    skipped = {s["config"]: s["reason"] for s in data["skipped"]}
-    assert skipped == {c: "not in this build" for c in SMALL_GRID if "roundup" in c}
-    assert not any("roundup" in r["config"] for r in data["results"])
+# A setting pyalloc parses is one it replays (every setting of the grid, expandable segments
+# included): the only row tune skips is an own setting that does not parse here.
+UNPARSABLE_OWN = "backend:cudaMallocAsync"
 
 
-def test_tune_text_lists_skipped_settings_and_ends_with_the_best_line(capsys, trace_file, monkeypatch):
-    monkeypatch.setattr(tune_module, "unsupported_reason",
-                        lambda c: "not in this build" if c == "max_split_size_mb:256" else None)
-    rc, out, _ = run(capsys, "tune", trace_file, *sum((["--config", c] for c in SMALL_GRID), []),
+def test_tune_text_lists_a_skipped_own_setting_and_ends_with_the_best_line(capsys, tmp_path):
+    path = write_snapshot(tmp_path / "t.pickle.gz", synthetic_snapshot(conf=UNPARSABLE_OWN))
+    rc, out, _ = run(capsys, "tune", path, *sum((["--config", c] for c in SMALL_GRID), []),
                      "--jobs", "1")
     assert rc == 0
-    assert "skipped max_split_size_mb:256: not in this build" in out
+    assert f"skipped {UNPARSABLE_OWN}: the trace's own setting is not valid here: " in out
     assert out.rstrip("\n").splitlines()[-1].startswith("PYTORCH_CUDA_ALLOC_CONF=")
 
 
-def test_tune_with_an_unreplayable_own_setting_still_ranks_the_others(capsys, tmp_path, monkeypatch):
-    path = write_snapshot(tmp_path / "t.pickle.gz", synthetic_snapshot(conf="max_split_size_mb:512"))
-    monkeypatch.setattr(tune_module, "unsupported_reason",
-                        lambda c: "not in this build" if c == "max_split_size_mb:512" else None)
+def test_tune_with_an_unparsable_own_setting_still_ranks_the_others(capsys, tmp_path):
+    path = write_snapshot(tmp_path / "t.pickle.gz", synthetic_snapshot(conf=UNPARSABLE_OWN))
     data, _ = tune_json(capsys, path, "--jobs", "1")
-    assert data["baseline"]["skipped"] and data["baseline"]["error"] == "not in this build"
+    assert data["baseline"]["skipped"]
+    assert data["baseline"]["error"].startswith("the trace's own setting is not valid here: ")
     assert {r["config"] for r in data["results"]} == set(SMALL_GRID)
     assert all(r["saving"] is None for r in data["results"])
     assert data["best"] in SMALL_GRID
@@ -1018,9 +1003,9 @@ def test_tune_real_trace_over_small_grid_ranks_and_matches_torch_baseline(capsys
 @pytest.mark.parametrize("grid", tune_module.GRIDS)
 def test_grid_settings_all_parse_and_are_distinct(grid):
     settings_list = tune_module.grid_settings(grid)
-    keys = [tune_module._settings_key(CudaAllocatorConfig(s)) for s in settings_list]
+    keys = [settings_key(CudaAllocatorConfig(s)) for s in settings_list]
     assert len(set(keys)) == len(keys)
-    assert tune_module._settings_key(CudaAllocatorConfig("")) not in keys
+    assert settings_key(CudaAllocatorConfig("")) not in keys
 
 
 @pytest.mark.parametrize("grid", tune_module.GRIDS)

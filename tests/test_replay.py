@@ -184,6 +184,25 @@ def test_replay_accepts_a_snapshot_dict():
     assert result.address_matches == result.allocations == expected["actions"]["alloc"]
 
 
+def test_pyalloc_replay_is_the_module_of_that_name():
+    # The package's attribute used to be the function, which hid the module: `import
+    # pyalloc.replay as m` gave the function and pyalloc.replay.recorded_oom did not exist.
+    import sys
+
+    import pyalloc
+    import pyalloc.replay as module
+    assert module is sys.modules["pyalloc.replay"] is pyalloc.replay
+    assert pyalloc.replay.recorded_oom is module.recorded_oom
+
+
+def test_calling_pyalloc_replay_replays():
+    # README: `pyalloc.replay(path_or_snapshot, config=None, ...)`.
+    import pyalloc
+    result = pyalloc.replay(small_snapshot(), placement="fresh")
+    assert isinstance(result, pyalloc.replay.ReplayResult)
+    assert (result.placement, result.peak_allocated) == ("fresh", 1024 + 4096)
+
+
 # ------------------------------------------------------------------------------ bad input
 
 def small_snapshot():

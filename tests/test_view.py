@@ -57,6 +57,36 @@ def assert_one_line_error(rc, out, err):
     assert "Traceback" not in err
 
 
+# -- the pages' style and scripts ---------------------------------------------------------------------
+
+ASSETS = ("report.css", "report_common.js", "report_view.js", "report_tune.js")
+
+
+@pytest.mark.parametrize("name", ASSETS)
+def test_the_page_assets_are_found_as_package_data(name):
+    from importlib import resources
+
+    from pyalloc.report_html import asset
+    text = asset(name)
+    assert text.strip()
+    assert text == resources.files("pyalloc").joinpath(name).read_text(encoding="utf-8")
+
+
+def test_the_view_page_carries_its_style_and_scripts_whole():
+    from pyalloc.report_html import asset
+    page = view_page(analyze(load(EXAMPLE), path=str(EXAMPLE)))
+    assert f"<style>\n{asset('report.css')}</style>" in page
+    assert f"<script>\n{asset('report_common.js')}\n{asset('report_view.js')}</script>" in page
+
+
+@pytest.mark.skipif(not (REPO / "meson.build").exists(), reason="needs the source tree's meson.build")
+@pytest.mark.parametrize("name", ASSETS)
+def test_the_build_installs_every_page_asset(name):
+    # An installed wheel holds what meson.build's install_sources lists: a file missing there
+    # would load in an editable install and be absent from every wheel.
+    assert f"'pyalloc/{name}'" in (REPO / "meson.build").read_text()
+
+
 # -- traces recorded here ---------------------------------------------------------------------------
 
 def allocate_kv_cache(allocator):
