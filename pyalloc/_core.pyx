@@ -564,8 +564,11 @@ cdef class DeviceCachingAllocator:
                     mark_captured_use(self, b, s)
             elif self.capture_routes or not self.capture_uses.empty():
                 unmark_real_use(self, b, s)
-            if last_use and self.capture_routes:
-                mark_last_use(self, b, s)
+            if self.capture_routes:
+                if last_use:
+                    mark_last_use(self, b, s)
+                elif not self.capture_uses.empty():
+                    forget_last_use(self, b, s)
         finally:
             self.mutex.unlock()
         if pin:
@@ -1769,6 +1772,20 @@ cdef int mark_last_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) exc
             return 0
     uses.last_use.push_back(pair[uintptr_t, vector[uintptr_t]](stream, terminals))
     return 0
+
+
+cdef void forget_last_use(DeviceCachingAllocator a, Block* b, uintptr_t stream) noexcept:
+    """record_stream without last_use: the block is used on `stream` again, so a last-use mark
+    made there before no longer holds (the free's marker for `stream` is its terminals then)."""
+    it = a.capture_uses.find(b)
+    if it == a.capture_uses.end():
+        return
+    cdef size_t j
+    marks = &deref(it).second.last_use
+    for j in range(marks.size()):
+        if deref(marks)[j].first == stream:
+            marks.erase(marks.begin() + j)
+            return
 
 
 cdef inline bint reusable_on(DeviceCachingAllocator a, Block* b, uintptr_t stream,

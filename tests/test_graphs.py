@@ -576,3 +576,24 @@ def test_cross_stream_reuse_moves_only_one_segment_and_only_when_the_stream_has_
     assert moved in ptrs and sorted(again + [moved]) == sorted(ptrs)   # s0 reused the other two
     assert alloc.max_memory_reserved() == 3 * 12 * MiB
     alloc._check_invariants()
+
+
+def test_a_record_stream_after_a_last_use_mark_withdraws_the_mark():
+    """A stream marked as done with a block (record_stream(..., last_use=True)) that is then
+    declared to use it again (record_stream without last_use) and runs a kernel on it: the
+    block's free marker for that stream is its terminals at the free, so the block is not handed
+    to another stream before that kernel precedes it (found by the capture property above)."""
+    sim, alloc = make(REUSE + ",graph_capture_last_use_marks:True")
+    s0, s1 = sim.create_stream(), sim.create_stream()
+    with alloc.graph(s0) as graph:
+        join(sim, s1, s0)
+        p = alloc.malloc(4 * KiB, s1)
+        alloc.record_stream(p, s0, last_use=True)         # nothing on s0 uses it yet
+        alloc.record_stream(p, s0)                        # ... but now it does
+        kernel = sim.launch(s0, uses=(p,))
+        sim.launch(s1)                                    # s1 moves on without waiting for s0
+        alloc.free(p)
+        q = alloc.malloc(4 * KiB, s1)
+        assert q != p or kernel in ancestors(sim, terminals(sim, s1))
+        join(sim, s0, s1)
+    graph.reset()
