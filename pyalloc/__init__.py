@@ -40,7 +40,7 @@ def _not_built(exc):
     if os.path.exists(os.path.join(here, "_core.pyx")):
         msg = (f"pyalloc: imported from the source tree {here}, where its compiled modules are not "
                f"built (no {exc.name}): use the editable install `pip install --no-build-isolation -e .` "
-               "(developer setup, see README.md) or run Python from another folder")
+               "(developer setup, see docs/setup.md) or run Python from another folder")
     else:
         msg = (f"pyalloc: the installed package at {here} lacks its compiled module {exc.name}: "
                "reinstall pyalloc (`pip install --force-reinstall .` from its source folder)")
