@@ -1,4 +1,22 @@
-"""pyalloc: PyTorch's CUDA caching allocator for any Python program.
+"""pyalloc: PyTorch's CUDA caching allocator for any Python program, and a simulated device to
+replay and tune a PyTorch memory trace on any machine (`pyalloc tune trace.pickle.gz`).
+
+An allocator on the simulated device (backend="cuda" for the GPU):
+
+>>> import pyalloc
+>>> a = pyalloc.CachingAllocator(backend="sim", config="expandable_segments:True")
+>>> ptr = a.malloc(1 << 20)                   # a device pointer (int), for stream 0
+>>> a.memory_allocated(), a.max_memory_reserved()
+(1048576, 2097152)
+>>> a.free(ptr)
+
+The module level is torch.cuda.memory's API (memory_stats, memory_summary, empty_cache,
+set_per_process_memory_fraction, record_memory_history, memory_snapshot, use_mem_pool, ...) over
+one default allocator per device, on the GPU when there is one: pyalloc.malloc(nbytes),
+pyalloc.free(ptr), pyalloc.get_allocator(device). Hooks route frameworks' memory here:
+pyalloc.cupy.install(), pyalloc.torch.install(), pyalloc.numba.install(),
+pyalloc.cuda_core.PyallocMemoryResource(). Replay and tuning: pyalloc.replay(trace) and
+pyalloc.tune.tune(trace). Settings are PyTorch's strings (PYALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF).
 
 Importing pyalloc loads no CUDA library: the driver is touched only when a "cuda" backend is made.
 """
@@ -22,7 +40,7 @@ def _not_built(exc):
     if os.path.exists(os.path.join(here, "_core.pyx")):
         msg = (f"pyalloc: imported from the source tree {here}, where its compiled modules are not "
                f"built (no {exc.name}): use the editable install `pip install --no-build-isolation -e .` "
-               "(developer setup, see README.md) or run Python from another folder")
+               "(developer setup, see docs/setup.md) or run Python from another folder")
     else:
         msg = (f"pyalloc: the installed package at {here} lacks its compiled module {exc.name}: "
                "reinstall pyalloc (`pip install --force-reinstall .` from its source folder)")
@@ -43,11 +61,15 @@ except ModuleNotFoundError as _exc:
     raise _err from None
 from pyalloc.allocator import CachingAllocator
 from pyalloc import replay   # the module, callable as its replay() (pyalloc/replay.py)
-from pyalloc.pools import MemPool, graph_pool_handle, use_mem_pool
+from pyalloc.pools import MemPool, graph_pool_handle
 from pyalloc.defaults import (
-    current_device, default_allocators, empty_cache, free, get_allocator, get_default_backend,
-    malloc, max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved,
-    memory_stats, memory_summary, record_stream, reset_peak_memory_stats, set_default_backend)
+    _dump_snapshot, _record_memory_history, _snapshot, caching_allocator_alloc,
+    caching_allocator_delete, current_device, default_allocators, dump_snapshot, empty_cache, free,
+    get_allocator, get_default_backend, get_per_process_memory_fraction, graph, malloc,
+    max_memory_allocated, max_memory_reserved, mem_get_info, memory_allocated, memory_reserved,
+    memory_snapshot, memory_stats, memory_stats_as_nested_dict, memory_summary,
+    record_memory_history, record_stream, reset_accumulated_memory_stats, reset_peak_memory_stats,
+    set_default_backend, set_per_process_memory_fraction, use_mem_pool)
 
 __version__ = "0.1.0"
 
@@ -55,9 +77,27 @@ __all__ = [
     "AlreadyFreedError", "Buffer", "CachingAllocator", "ConfigError", "CudaError", "MemPool",
     "NoCudaDriverError", "NotAllocatedError", "OutOfMemoryError", "PointerError", "SimDevice", "get_allocator_settings", "get_memory_metadata", "replay",
     "set_allocator_settings", "set_memory_metadata", "graph_pool_handle", "use_mem_pool",
-    # default allocators, one per device (pyalloc/defaults.py)
-    "current_device", "default_allocators", "empty_cache", "free", "get_allocator",
-    "get_default_backend", "malloc", "max_memory_allocated", "max_memory_reserved",
-    "memory_allocated", "memory_reserved", "memory_stats", "memory_summary", "record_stream",
-    "reset_peak_memory_stats", "set_default_backend",
+    # default allocators, one per device (pyalloc/defaults.py), under torch.cuda.memory's names
+    "caching_allocator_alloc", "caching_allocator_delete", "current_device", "default_allocators",
+    "dump_snapshot", "empty_cache", "free", "get_allocator", "get_default_backend",
+    "get_per_process_memory_fraction", "graph", "malloc", "max_memory_allocated",
+    "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_reserved", "memory_snapshot",
+    "memory_stats", "memory_stats_as_nested_dict", "memory_summary", "record_memory_history",
+    "record_stream", "reset_accumulated_memory_stats", "reset_peak_memory_stats",
+    "set_default_backend", "set_per_process_memory_fraction",
 ]
+
+# Submodules imported on first use, so that `import pyalloc` then `pyalloc.tune.tune(...)` works
+# without every import paying for them (the hooks import their framework only when called).
+_LAZY_SUBMODULES = frozenset({"cuda_core", "cupy", "graphs", "numba", "torch", "tune", "view"})
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _LAZY_SUBMODULES)

@@ -59,6 +59,10 @@ class CachingAllocator(DeviceCachingAllocator):
         device: device ordinal (default 0).
         backend: "sim" (the simulated device, default), "cuda" (the real GPU), None (the GPU when
             one is present, else the simulated device) or a Backend object such as a SimDevice.
+            The default differs from the module-level default allocators' (pyalloc.malloc,
+            pyalloc.get_allocator, ...), which use the GPU when one is present: an allocator
+            made by hand is a simulation unless asked for the GPU; the process-wide ones serve
+            real programs (pyalloc.set_default_backend chooses theirs).
         config: settings string in PyTorch's format (e.g. "max_split_size_mb:128"), a
             pyalloc.config.CudaAllocatorConfig, or None. With None the allocator follows the
             process-wide settings (PYALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, and later
@@ -108,8 +112,14 @@ class CachingAllocator(DeviceCachingAllocator):
         return _pools.MemPool(use_on_oom=use_on_oom, no_split=no_split, allocator=self)
 
     def use_mem_pool(self, pool):
-        """Context manager: this thread's allocations here go to `pool` (pyalloc.use_mem_pool)."""
-        if not isinstance(pool, _pools.MemPool) or pool.allocator is not self:
+        """Context manager: this thread's allocations here go to `pool` (pyalloc.use_mem_pool).
+
+        Raises TypeError for something that is not a MemPool (as pyalloc.use_mem_pool does),
+        ValueError for a MemPool of another allocator.
+        """
+        if not isinstance(pool, _pools.MemPool):
+            raise TypeError(f"use_mem_pool expects a pyalloc MemPool, got {type(pool).__name__} {pool!r}")
+        if pool.allocator is not self:
             raise ValueError(f"{pool!r} is not a MemPool of this allocator (device {self.device})")
         return _pools.use_mem_pool(pool)
 
@@ -201,20 +211,26 @@ class CachingAllocator(DeviceCachingAllocator):
         out = {metadata_string(mid): nbytes for mid, nbytes in sums.items()}
         return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
-    def memory_summary(self):
-        """A readable table of the statistics, laid out like torch.cuda.memory_summary()."""
-        return format_memory_summary(self.memory_stats(), self.device, self.private_pool_bytes())
+    def memory_summary(self, abbreviated=False):
+        """A readable table of the statistics, laid out like torch.cuda.memory_summary().
+
+        abbreviated=True leaves out the large-pool and small-pool rows (as PyTorch's does).
+        """
+        if not isinstance(abbreviated, bool):
+            raise TypeError(f"abbreviated must be a bool, got {type(abbreviated).__name__} {abbreviated!r}")
+        return format_memory_summary(self.memory_stats(), self.device, self.private_pool_bytes(),
+                                     abbreviated=abbreviated)
 
     def __repr__(self):
         return (f"CachingAllocator(device={self.device}, backend={self.backend.kind!r}, "
                 f"allocated={self.memory_allocated()}, reserved={self.memory_reserved()})")
 
 
-def format_memory_summary(stats, device=0, private_pools=None):
+def format_memory_summary(stats, device=0, private_pools=None, abbreviated=False):
     """Format a memory_stats() dict as PyTorch's summary table (rows per pool, bytes humanised).
 
     `private_pools`: (reserved, cached) bytes of private pools (private_pool_bytes()), shown
-    under the header line of counts when given.
+    under the header line of counts when given. `abbreviated`: only the "all" row of each metric.
 
     Every line, borders included, has the same width: the four value columns are 10 characters
     wide, or as wide as the longest value (totals of a long run, such as "12345.67 GiB").
@@ -230,9 +246,10 @@ def format_memory_summary(stats, device=0, private_pools=None):
     sections = []                 # lists of (label, four value strings), a thin rule after each
     for title, key, as_bytes in metrics:
         fmt = format_bytes if as_bytes else str
+        pools = (("all", title),) if abbreviated else (
+            ("all", title), ("large_pool", "      from large pool"), ("small_pool", "      from small pool"))
         sections.append([(label, [fmt(stats[f"{key}.{pool}.{f}"]) for f in fields])
-                         for pool, label in (("all", title), ("large_pool", "      from large pool"),
-                                             ("small_pool", "      from small pool"))])
+                         for pool, label in pools])
     sections.append([(title, [str(stats[f"{key}.{f}"]) for f in fields])
                      for title, key in (("Oversize allocations", "oversize_allocations"),
                                         ("Oversize GPU segments", "oversize_segments"))])

@@ -3,7 +3,15 @@
 The first call that needs device d creates its CachingAllocator. Which backend it gets follows
 set_default_backend(): by default None, i.e. the GPU when a CUDA driver and GPU are there and the
 simulated device otherwise (the choice is logged on the "pyalloc" logger and visible as
-`get_allocator(d).backend.kind`).
+`get_allocator(d).backend.kind`). This differs from `CachingAllocator()`, whose backend defaults
+to "sim": the default allocators serve real programs and framework hooks, an allocator made by
+hand is a simulation unless given backend="cuda" or None.
+
+The functions have the names and arguments of torch.cuda.memory's (memory_stats,
+set_per_process_memory_fraction, memory_snapshot, mem_get_info, caching_allocator_alloc, ...,
+and _record_memory_history, _snapshot and _dump_snapshot, the first and last of which pyalloc
+also names record_memory_history and dump_snapshot), acting on these default allocators; so code
+written against torch.cuda.memory reads pyalloc's figures by changing the module it calls.
 
 device=None means the current device: for a CUDA default backend, the device whose context is
 current on the calling thread (the device CuPy's or PyTorch's "current device" selects; 0 when no
@@ -15,6 +23,8 @@ Sizes are bytes; pointers are ints; streams are int handles or stream objects (`
 import sys
 import threading
 
+from pyalloc import pools as _pools
+from pyalloc import snapshot as _snapshots
 from pyalloc.allocator import CachingAllocator
 from pyalloc.errors import NoCudaDriverError, NotAllocatedError
 
@@ -22,6 +32,7 @@ _lock = threading.RLock()
 _allocators = {}            # device ordinal -> CachingAllocator
 _allocator_list = ()        # the same allocators, as a tuple, for pointer lookups without the lock
 _backend_choice = None      # None (automatic), "sim", "cuda", or a callable(device) -> Backend
+_history_for_new = None     # record_memory_history's arguments for default allocators made later
 _U64 = 1 << 64
 
 
@@ -117,6 +128,8 @@ def _create(device):
             choice = _backend_choice
             backend = choice(device) if callable(choice) and not isinstance(choice, str) else choice
             alloc = CachingAllocator(device, backend=backend)
+            if _history_for_new is not None:
+                alloc.record_memory_history(**_history_for_new)
             # Copy-on-write, so that lookups without the lock always see a consistent map.
             allocators = dict(_allocators)
             allocators[device] = alloc
@@ -326,9 +339,14 @@ def reset_peak_memory_stats(device=None):
     get_allocator(device).reset_peak_memory_stats()
 
 
-def memory_summary(device=None):
-    """PyTorch-style summary table of `device`'s default allocator (None: current device)."""
-    return get_allocator(device).memory_summary()
+def memory_summary(device=None, abbreviated=False):
+    """PyTorch-style summary table of `device`'s default allocator (None: current device).
+
+    abbreviated=True leaves out the large-pool and small-pool rows, as torch.cuda.memory_summary.
+    """
+    if not isinstance(abbreviated, bool):
+        raise TypeError(f"abbreviated must be a bool, got {type(abbreviated).__name__} {abbreviated!r}")
+    return get_allocator(device).memory_summary(abbreviated=abbreviated)
 
 
 def empty_cache(device=None):
@@ -344,3 +362,169 @@ def empty_cache(device=None):
     alloc = _allocators.get(device)
     if alloc is not None:
         alloc.empty_cache()
+
+
+def reset_accumulated_memory_stats(device=None):
+    """Reset the accumulated ("allocated", "freed") statistics and the event counters
+    (num_alloc_retries, num_ooms, ...) of `device`'s default allocator (None: current device)."""
+    get_allocator(device).reset_accumulated_memory_stats()
+
+
+def memory_stats_as_nested_dict(device=None):
+    """memory_stats(device) as nested dicts: stats["allocated_bytes"]["all"]["peak"], as
+    torch.cuda.memory_stats_as_nested_dict."""
+    nested = {}
+    for key, value in memory_stats(device).items():
+        *path, last = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return nested
+
+
+def mem_get_info(device=None):
+    """(free bytes, total bytes) of `device` (None: current device), from cuMemGetInfo on the GPU
+    or the simulated device's own count; torch.cuda.mem_get_info."""
+    return get_allocator(device).backend.mem_get_info()
+
+
+def set_per_process_memory_fraction(fraction, device=None):
+    """Cap what `device`'s default allocator (None: current device) may reserve at `fraction`
+    (0.0 .. 1.0) of the device's total memory; 1.0 removes the cap.
+
+    torch.cuda.set_per_process_memory_fraction; CachingAllocator.set_memory_fraction for one
+    allocator. Raises TypeError for a fraction that is not a number, ValueError outside [0, 1].
+    """
+    get_allocator(device).set_memory_fraction(fraction)
+
+
+def get_per_process_memory_fraction(device=None):
+    """The fraction set_per_process_memory_fraction set on `device` (None: current device); 1.0
+    when none (torch.cuda.get_per_process_memory_fraction)."""
+    return get_allocator(device).get_memory_fraction()
+
+
+def caching_allocator_alloc(size, device=None, stream=None):
+    """Allocate `size` bytes on `device` (None: current device) for `stream` (None: the default
+    stream, 0), as torch.cuda.caching_allocator_alloc; returns the device pointer (an int).
+    Free it with caching_allocator_delete."""
+    return malloc(size, 0 if stream is None else stream, device)
+
+
+def caching_allocator_delete(mem_ptr):
+    """Free memory from caching_allocator_alloc (or pyalloc.malloc), as
+    torch.cuda.caching_allocator_delete; the owning default allocator is looked up."""
+    free(mem_ptr)
+
+
+# ------------------------------------------------------------------------------ history and snapshots
+
+def record_memory_history(enabled="all", context="all", stacks="all",
+                          max_entries=_snapshots.DEFAULT_MAX_ENTRIES, device=None, clear_history=False,
+                          skip_actions=None):
+    """Start, change or stop recording allocator events, as torch.cuda.memory._record_memory_history.
+
+    device=None (PyTorch's only behaviour): every default allocator, those made so far and
+    those made later; device=d: that device's default allocator only. The other arguments are
+    CachingAllocator.record_memory_history's (max_entries defaults to 1,000,000, not PyTorch's
+    sys.maxsize). Bad arguments raise TypeError/ValueError naming the value, before any
+    allocator's history changes.
+    """
+    global _history_for_new
+    _snapshots.check_history_args(enabled, context, stacks, max_entries, clear_history, skip_actions)
+    args = dict(enabled=enabled, context=context, stacks=stacks, max_entries=max_entries,
+                clear_history=clear_history, skip_actions=skip_actions)
+    if device is not None:
+        get_allocator(device).record_memory_history(**args)
+        return
+    with _lock:
+        _history_for_new = None if enabled is None else args
+        for alloc in _allocator_list:
+            alloc.record_memory_history(**args)
+
+
+def _snapshot_allocators():
+    allocs = _allocator_list
+    return allocs if allocs else (get_allocator(),)
+
+
+def _snapshot(device=None):
+    """The memory snapshot of the default allocators, in PyTorch's format (torch.cuda.memory._snapshot()).
+
+    The name keeps torch's underscore because pyalloc.snapshot is the module of snapshot files
+    (pyalloc.snapshot.load, dump).
+
+    device=None: every default allocator made so far (the current device's if none is), each
+    segment carrying its "device", device_traces[d] holding device d's trace, as PyTorch's
+    snapshot covers every device; device=d: that device's allocator only. Taking a snapshot
+    records a `snapshot` event in each recording allocator's trace, as in PyTorch.
+    """
+    if device is not None:
+        return get_allocator(device).snapshot()
+    allocs = _snapshot_allocators()
+    parts = [(a.device, a.snapshot()) for a in allocs]
+    traces = [[] for _ in range(max(d for d, _ in parts) + 1)]
+    segments = []
+    for d, part in parts:
+        segments.extend(part["segments"])
+        traces[d] = part["device_traces"][d]
+    first = parts[0][1]
+    return {"segments": segments, "device_traces": traces,
+            "allocator_settings": first["allocator_settings"],
+            "external_annotations": first["external_annotations"]}
+
+
+def dump_snapshot(filename="dump_snapshot.pickle"):
+    """Write _snapshot() of every default allocator to `filename` as a pickle (gzip when the name
+    ends in ".gz"), as torch.cuda.memory._dump_snapshot; pytorch.org/memory_viz reads it."""
+    _snapshots.dump(_snapshot(), filename)
+
+
+def memory_snapshot(mempool_id=None, include_traces=True):
+    """The segments of _snapshot(), every device (torch.cuda.memory_snapshot()): those of private
+    pool `mempool_id` (a pool id tuple, such as MemPool.id) only, when given.
+
+    include_traces is accepted as torch's; the segment list is the same either way.
+    """
+    if not isinstance(include_traces, bool):
+        raise TypeError(f"include_traces must be a bool, got {type(include_traces).__name__} {include_traces!r}")
+    if mempool_id is not None:
+        if not (isinstance(mempool_id, tuple) and len(mempool_id) == 2
+                and all(type(x) is int for x in mempool_id)):
+            raise TypeError(f"mempool_id must be a pool id (a tuple of two ints, such as "
+                            f"MemPool.id), got {mempool_id!r}")
+    segments = _snapshot()["segments"]
+    if mempool_id is None:
+        return segments
+    return [seg for seg in segments if tuple(seg["segment_pool_id"]) == mempool_id]
+
+
+# torch.cuda.memory's private names of the two above, so that code calling them runs unchanged.
+_record_memory_history = record_memory_history
+_dump_snapshot = dump_snapshot
+
+
+# ------------------------------------------------------------------------------ pools and graphs
+
+def use_mem_pool(pool, device=None):
+    """Context manager: this thread's allocations on the pool's allocator go to `pool` inside the
+    block (torch.cuda.use_mem_pool; see pyalloc.pools.use_mem_pool).
+
+    Checks at the call, as CachingAllocator.use_mem_pool does: TypeError for something that is
+    not a MemPool, ValueError for a released pool or a `device` other than the pool's.
+    """
+    if not isinstance(pool, _pools.MemPool):
+        raise TypeError(f"use_mem_pool expects a pyalloc MemPool, got {type(pool).__name__} {pool!r}")
+    if pool._released:
+        raise ValueError(f"MemPool {pool.id} was released")
+    if device is not None and device != pool.allocator.device:
+        raise ValueError(f"MemPool {pool.id} belongs to device {pool.allocator.device}, not device {device}")
+    return _pools.use_mem_pool(pool, device)
+
+
+def graph(stream, pool=None, capture_error_mode="global", device=None):
+    """A pyalloc.graphs.Graph on `device`'s default allocator (None: current device):
+    `with pyalloc.graph(stream) as g:` captures the work queued on `stream` into a CUDA graph
+    whose allocations come from a private pool (CachingAllocator.graph, torch.cuda.graph)."""
+    return get_allocator(device).graph(stream, pool=pool, capture_error_mode=capture_error_mode)
