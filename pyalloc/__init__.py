@@ -21,7 +21,7 @@ pyalloc.tune.tune(trace). Settings are PyTorch's strings (PYALLOC_CONF, PYTORCH_
 Importing pyalloc loads no CUDA library: the driver is touched only when a "cuda" backend is made.
 """
 from pyalloc.errors import (AlreadyFreedError, CudaError, NoCudaDriverError, NotAllocatedError,
-                            OutOfMemoryError, PointerError)
+                            OutOfMemoryError, OwnedByBufferError, PointerError, ReuseError)
 from pyalloc.config import ConfigError, get_allocator_settings, set_allocator_settings
 
 
@@ -75,7 +75,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyFreedError", "Buffer", "CachingAllocator", "ConfigError", "CudaError", "MemPool",
-    "NoCudaDriverError", "NotAllocatedError", "OutOfMemoryError", "PointerError", "SimDevice", "get_allocator_settings", "get_memory_metadata", "replay",
+    "NoCudaDriverError", "NotAllocatedError", "OutOfMemoryError", "OwnedByBufferError",
+    "PointerError", "ReuseError", "SimDevice", "get_allocator_settings", "get_memory_metadata",
+    "replay",
     "set_allocator_settings", "set_memory_metadata", "graph_pool_handle", "use_mem_pool",
     # default allocators, one per device (pyalloc/defaults.py), under torch.cuda.memory's names
     "caching_allocator_alloc", "caching_allocator_delete", "current_device", "default_allocators",
