@@ -1349,7 +1349,7 @@ class BadProtocolStream:
     (True, TypeError, "True"),
     (NotAStream(), TypeError, "NotAStream()"),
     (BadProtocolStream(), TypeError, "BadProtocolStream()"),
-    (TorchLikeStream(-5), TypeError, "TorchLikeStream"),
+    (TorchLikeStream(-5), ValueError, "TorchLikeStream"),    # an int out of range, as -1 is
     (-1, ValueError, "-1"),
     (-(2 ** 70), ValueError, str(-(2 ** 70))),
     (2 ** 64, ValueError, str(2 ** 64)),
