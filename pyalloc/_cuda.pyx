@@ -18,7 +18,8 @@ Driver calls that can block (cuMemAlloc, cuMemFree, which synchronises the devic
 synchronize calls) run with the GIL released; the core's own mutex keeps its state consistent.
 
 Wrappers of driver calls are never `noexcept`: with no driver, cydriver raises from the first
-call, and a noexcept function would swallow that and report CUDA_SUCCESS (build notes, pitfall 7).
+call, and a noexcept function would print the exception ("Exception ignored") and return 0, which
+reads as CUDA_SUCCESS.
 
 Stream capture (CUDA graphs): capture_begin/capture_end/graph_launch/graph_destroy wrap
 cuStreamBeginCapture, cuStreamEndCapture, cuGraphInstantiate (once per graph, on its first launch)
