@@ -18,7 +18,8 @@ Driver calls that can block (cuMemAlloc, cuMemFree, which synchronises the devic
 synchronize calls) run with the GIL released; the core's own mutex keeps its state consistent.
 
 Wrappers of driver calls are never `noexcept`: with no driver, cydriver raises from the first
-call, and a noexcept function would swallow that and report CUDA_SUCCESS (build notes, pitfall 7).
+call, and a noexcept function would print the exception ("Exception ignored") and return 0, which
+reads as CUDA_SUCCESS.
 
 Stream capture (CUDA graphs): capture_begin/capture_end/graph_launch/graph_destroy wrap
 cuStreamBeginCapture, cuStreamEndCapture, cuGraphInstantiate (once per graph, on its first launch)
@@ -89,6 +90,12 @@ cdef inline int check_in_context(cydriver.CUresult r_enter, cydriver.CUresult r_
 #     ... cuMemAlloc ...
 #     cuThreadExchangeStreamCaptureMode(&mode)                   # the caller's mode is back
 #
+# CudaDevice._relaxed_call is that pattern, written once: each memory call is a _MemoryCall (a
+# function of one argument block, below) that it runs between the two exchanges, and the
+# results of every step come back in a _Relaxed for the caller to check in its own order (which
+# failure is raised first, and what it still records, differ: segment_alloc must report out of
+# memory without raising, vm_release and vm_unmap record what the driver did release).
+#
 # Cost: two calls per driver memory call, on the slow path only (a cache hit never reaches the
 # backend). cuThreadExchangeStreamCaptureMode swaps a thread-local value in the driver (no lock,
 # no system call, no device work): tens of nanoseconds through cydriver's function pointer, against
@@ -97,15 +104,114 @@ cdef inline int check_in_context(cydriver.CUresult r_enter, cydriver.CUresult r_
 # Exchanging unconditionally is cheaper than asking first whether anything captures (that is a
 # driver call too) and also covers captures begun by other threads, which we cannot see.
 
-cdef inline cydriver.CUresult _relax(cydriver.CUstreamCaptureMode* saved) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    """Switch this thread to relaxed capture mode; *saved receives the mode it had."""
-    saved[0] = cydriver.CU_STREAM_CAPTURE_MODE_RELAXED
-    return cydriver.cuThreadExchangeStreamCaptureMode(saved)
+ctypedef cydriver.CUresult (*_MemoryCall)(void* args) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil
+
+cdef struct _Relaxed:
+    # The result of each step of CudaDevice._relaxed_call; CUDA_SUCCESS for a step not taken.
+    cydriver.CUresult enter     # making our context current (when asked for)
+    cydriver.CUresult relax     # the exchange into relaxed mode: nothing else ran if it failed
+    cydriver.CUresult call      # the memory call
+    cydriver.CUresult restore   # the exchange back to the caller's mode (made whenever relax worked)
+    cydriver.CUresult leave     # the caller's context back (made whenever enter worked)
 
 
-cdef inline cydriver.CUresult _unrelax(cydriver.CUstreamCaptureMode saved) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    """Give this thread back the capture mode _relax saved."""
-    return cydriver.cuThreadExchangeStreamCaptureMode(&saved)
+cdef struct _MemoryArgs:
+    # The arguments of one single-call _MemoryCall.
+    cydriver.CUdeviceptr ptr    # the address: given (free, address free) or received (alloc, reserve)
+    size_t nbytes
+    size_t* free_bytes          # cuMemGetInfo's answers
+    size_t* total_bytes
+
+
+cdef cydriver.CUresult _mem_alloc(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    cdef _MemoryArgs* a = <_MemoryArgs*>p
+    return cydriver.cuMemAlloc(&a.ptr, a.nbytes)
+
+
+cdef cydriver.CUresult _mem_free(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    return cydriver.cuMemFree((<_MemoryArgs*>p).ptr)
+
+
+cdef cydriver.CUresult _mem_get_info(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    cdef _MemoryArgs* a = <_MemoryArgs*>p
+    return cydriver.cuMemGetInfo(a.free_bytes, a.total_bytes)
+
+
+cdef cydriver.CUresult _address_reserve(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    cdef _MemoryArgs* a = <_MemoryArgs*>p
+    return cydriver.cuMemAddressReserve(&a.ptr, a.nbytes, 0, 0, 0)
+
+
+cdef cydriver.CUresult _address_free(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    cdef _MemoryArgs* a = <_MemoryArgs*>p
+    return cydriver.cuMemAddressFree(a.ptr, a.nbytes)
+
+
+cdef struct _Pages:
+    # The pages of one vm_map or vm_unmap: `count` pages of `page` bytes from `addr`, one
+    # physical allocation (handles[i]) each, and the result of each kind of call made on them.
+    uintptr_t addr
+    size_t nbytes
+    size_t page
+    size_t count
+    cydriver.CUmemGenericAllocationHandle* handles
+    cydriver.CUmemAllocationProp* prop      # vm_map: what to create
+    cydriver.CUmemAccessDesc* access        # vm_map: who may read and write
+    size_t access_count
+    cydriver.CUresult r_create, r_map, r_access, r_unmap, r_release
+
+
+cdef inline _Pages _pages(uintptr_t addr, size_t nbytes, size_t page,
+                          cydriver.CUmemGenericAllocationHandle* handles) noexcept:
+    """A _Pages for [addr, addr + nbytes) in pages of `page` bytes, no call made yet."""
+    cdef _Pages g
+    memset(&g, 0, sizeof(g))                # CUDA_SUCCESS is 0: every result "not failed"
+    g.addr, g.nbytes, g.page, g.count, g.handles = addr, nbytes, page, nbytes // page, handles
+    return g
+
+
+cdef cydriver.CUresult _map_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    """Create, map and open the pages; on any failure undo this call's work, so that nothing is
+    left half mapped. Returns the first failure (the r_* fields say which step)."""
+    cdef _Pages* g = <_Pages*>p
+    cdef size_t created = 0, mapped = 0, i
+    while created < g.count:
+        g.r_create = cydriver.cuMemCreate(&g.handles[created], g.page, g.prop, 0)
+        if g.r_create != cydriver.CUDA_SUCCESS:
+            break
+        created += 1
+    if created == g.count:
+        while mapped < g.count:
+            g.r_map = cydriver.cuMemMap(<cydriver.CUdeviceptr>(g.addr + mapped * g.page), g.page, 0,
+                                        g.handles[mapped], 0)
+            if g.r_map != cydriver.CUDA_SUCCESS:
+                break
+            mapped += 1
+    if mapped == g.count:
+        g.r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>g.addr, g.nbytes, g.access, g.access_count)
+    if g.r_access != cydriver.CUDA_SUCCESS or mapped != g.count:
+        for i in range(mapped):
+            cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(g.addr + i * g.page), g.page)
+        for i in range(created):
+            cydriver.cuMemRelease(g.handles[i])
+    if g.r_create != cydriver.CUDA_SUCCESS:
+        return g.r_create
+    return g.r_map if g.r_map != cydriver.CUDA_SUCCESS else g.r_access
+
+
+cdef cydriver.CUresult _unmap_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
+    """Unmap the range, then release each page's allocation (stopping at the first failure).
+    Returns the first failure (the r_* fields say which step)."""
+    cdef _Pages* g = <_Pages*>p
+    cdef size_t i
+    g.r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>g.addr, g.nbytes)
+    if g.r_unmap != cydriver.CUDA_SUCCESS:
+        return g.r_unmap
+    for i in range(g.count):
+        g.r_release = cydriver.cuMemRelease(g.handles[i])
+        if g.r_release != cydriver.CUDA_SUCCESS:
+            break
+    return g.r_release
 
 
 # ------------------------------------------------------------------------------ driver probe
@@ -322,54 +428,62 @@ cdef class CudaDevice(Backend):
             return cydriver.cuCtxSetCurrent(prev)
         return cydriver.CUDA_SUCCESS
 
+    cdef int _relaxed_call(self, _MemoryCall call, void* args, _Relaxed* out, bint in_context) except -1:
+        """call(args) without the GIL, with this thread in relaxed capture mode (see "relaxed
+        capture mode" above) and, when in_context, our context current; *out receives each
+        step's result. The caller's mode and context come back whatever the call does, a raised
+        exception included (cydriver raises when libcuda lacks a function)."""
+        cdef cydriver.CUcontext prev = NULL
+        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_RELAXED
+        out.enter = out.relax = out.call = out.restore = out.leave = cydriver.CUDA_SUCCESS
+        with nogil:
+            if in_context:
+                out.enter = self._enter(&prev)
+            if out.enter == cydriver.CUDA_SUCCESS:
+                try:
+                    out.relax = cydriver.cuThreadExchangeStreamCaptureMode(&mode)   # mode: the caller's
+                    if out.relax == cydriver.CUDA_SUCCESS:
+                        try:
+                            out.call = call(args)
+                        finally:
+                            out.restore = cydriver.cuThreadExchangeStreamCaptureMode(&mode)
+                finally:
+                    if in_context:
+                        out.leave = self._leave(prev)
+        return 0
+
     # ---------------------------------------------------------------- segments
 
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
         self._check_open()
-        cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUdeviceptr dptr = 0
-        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
-        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_relax = cydriver.CUDA_SUCCESS, r_unrelax = cydriver.CUDA_SUCCESS
-        with nogil:
-            r_enter = self._enter(&prev)
-            if r_enter == cydriver.CUDA_SUCCESS:
-                r_relax = _relax(&mode)         # legal while a stream captures (see _relax)
-                if r_relax == cydriver.CUDA_SUCCESS:
-                    r_call = cydriver.cuMemAlloc(&dptr, nbytes)
-                    r_unrelax = _unrelax(mode)
-                r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_relax, "cuThreadExchangeStreamCaptureMode")
-        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
-        check(r_leave, "cuCtxSetCurrent")
-        if r_call == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+        cdef _MemoryArgs args
+        args.ptr = 0
+        args.nbytes = nbytes
+        cdef _Relaxed r
+        self._relaxed_call(_mem_alloc, &args, &r, True)     # legal while a stream captures
+        check(r.enter, "cuCtxSetCurrent")
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        check(r.leave, "cuCtxSetCurrent")
+        if r.call == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
             return BACKEND_OOM
-        check(r_call, "cuMemAlloc")
+        check(r.call, "cuMemAlloc")
         self.live_segments += 1
         self.live_bytes += nbytes
-        ptr[0] = <uintptr_t>dptr
+        ptr[0] = <uintptr_t>args.ptr
         return BACKEND_OK
 
     cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
         self._check_open()
-        cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
-        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_relax = cydriver.CUDA_SUCCESS, r_unrelax = cydriver.CUDA_SUCCESS
-        with nogil:
-            r_enter = self._enter(&prev)
-            if r_enter == cydriver.CUDA_SUCCESS:
-                r_relax = _relax(&mode)
-                if r_relax == cydriver.CUDA_SUCCESS:
-                    r_call = cydriver.cuMemFree(<cydriver.CUdeviceptr>ptr)
-                    r_unrelax = _unrelax(mode)
-                r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_relax, "cuThreadExchangeStreamCaptureMode")
-        check(r_call, "cuMemFree")
-        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
-        check(r_leave, "cuCtxSetCurrent")
+        cdef _MemoryArgs args
+        args.ptr = <cydriver.CUdeviceptr>ptr
+        cdef _Relaxed r
+        self._relaxed_call(_mem_free, &args, &r, True)
+        check(r.enter, "cuCtxSetCurrent")
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        check(r.call, "cuMemFree")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        check(r.leave, "cuCtxSetCurrent")
         self.live_segments -= 1
         self.live_bytes -= nbytes
         return BACKEND_OK
@@ -378,23 +492,16 @@ cdef class CudaDevice(Backend):
         # Relaxed too: the core asks for memory info when it creates an expandable segment and
         # when it reports out of memory, both of which can happen during a capture.
         self._check_open()
-        cdef cydriver.CUcontext prev = NULL
-        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
-        cdef cydriver.CUresult r_enter, r_call = cydriver.CUDA_SUCCESS, r_leave = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_relax = cydriver.CUDA_SUCCESS, r_unrelax = cydriver.CUDA_SUCCESS
-        with nogil:
-            r_enter = self._enter(&prev)
-            if r_enter == cydriver.CUDA_SUCCESS:
-                r_relax = _relax(&mode)
-                if r_relax == cydriver.CUDA_SUCCESS:
-                    r_call = cydriver.cuMemGetInfo(free_bytes, total_bytes)
-                    r_unrelax = _unrelax(mode)
-                r_leave = self._leave(prev)
-        check(r_enter, "cuCtxSetCurrent")
-        check(r_relax, "cuThreadExchangeStreamCaptureMode")
-        check(r_call, "cuMemGetInfo")
-        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
-        check(r_leave, "cuCtxSetCurrent")
+        cdef _MemoryArgs args
+        args.free_bytes = free_bytes
+        args.total_bytes = total_bytes
+        cdef _Relaxed r
+        self._relaxed_call(_mem_get_info, &args, &r, True)
+        check(r.enter, "cuCtxSetCurrent")
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        check(r.call, "cuMemGetInfo")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        check(r.leave, "cuCtxSetCurrent")
         return BACKEND_OK
 
     def mem_get_info(self):
@@ -788,38 +895,33 @@ cdef class CudaDevice(Backend):
 
     cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
         self._check_open()
-        cdef cydriver.CUdeviceptr ptr = 0
-        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
-        cdef cydriver.CUresult r = cydriver.CUDA_SUCCESS, r_relax, r_unrelax = cydriver.CUDA_SUCCESS
-        with nogil:
-            r_relax = _relax(&mode)
-            if r_relax == cydriver.CUDA_SUCCESS:
-                r = cydriver.cuMemAddressReserve(&ptr, nbytes, 0, 0, 0)
-                r_unrelax = _unrelax(mode)
-        check(r_relax, "cuThreadExchangeStreamCaptureMode")
-        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
-        if r == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+        cdef _MemoryArgs args
+        args.ptr = 0
+        args.nbytes = nbytes
+        cdef _Relaxed r
+        self._relaxed_call(_address_reserve, &args, &r, False)
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        if r.call == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
             # Address space exhausted (each stream's expandable segment reserves about the
             # device's size): out of memory, for the ladder, which releases empty segments.
             return BACKEND_OOM
-        check(r, "cuMemAddressReserve")
-        base[0] = <uintptr_t>ptr
+        check(r.call, "cuMemAddressReserve")
+        base[0] = <uintptr_t>args.ptr
         self.live_reservations += 1
         return BACKEND_OK
 
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
         self._check_open()
-        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
-        cdef cydriver.CUresult r = cydriver.CUDA_SUCCESS, r_relax, r_unrelax = cydriver.CUDA_SUCCESS
-        with nogil:
-            r_relax = _relax(&mode)
-            if r_relax == cydriver.CUDA_SUCCESS:
-                r = cydriver.cuMemAddressFree(<cydriver.CUdeviceptr>base, nbytes)
-                r_unrelax = _unrelax(mode)
-        check(r_relax, "cuThreadExchangeStreamCaptureMode")
-        check(r, "cuMemAddressFree")
-        self.live_reservations -= 1
-        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
+        cdef _MemoryArgs args
+        args.ptr = <cydriver.CUdeviceptr>base
+        args.nbytes = nbytes
+        cdef _Relaxed r
+        self._relaxed_call(_address_free, &args, &r, False)
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        check(r.call, "cuMemAddressFree")
+        self.live_reservations -= 1                 # freed, even should the restore fail
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
         return BACKEND_OK
 
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
@@ -843,45 +945,22 @@ cdef class CudaDevice(Backend):
             access[k].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
             access[k].location.id = self.device if k == 0 else self._peers[k - 1]
             access[k].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        cdef size_t count = nbytes // page
+        cdef size_t count = nbytes // page, i
         cdef vector[cydriver.CUmemGenericAllocationHandle] handles
         handles.resize(count)
-        cdef size_t created = 0, mapped = 0, i
-        cdef cydriver.CUresult r_create = cydriver.CUDA_SUCCESS, r_map = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUresult r_access = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
-        cdef cydriver.CUresult r_relax, r_unrelax = cydriver.CUDA_SUCCESS
-        with nogil:
-            r_relax = _relax(&mode)             # one exchange pair for all the pages
-            if r_relax == cydriver.CUDA_SUCCESS:
-                while created < count:
-                    r_create = cydriver.cuMemCreate(&handles[created], page, &prop, 0)
-                    if r_create != cydriver.CUDA_SUCCESS:
-                        break
-                    created += 1
-                if created == count:
-                    while mapped < count:
-                        r_map = cydriver.cuMemMap(<cydriver.CUdeviceptr>(addr + mapped * page), page, 0,
-                                                  handles[mapped], 0)
-                        if r_map != cydriver.CUDA_SUCCESS:
-                            break
-                        mapped += 1
-                if mapped == count:
-                    r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>addr, nbytes, access.data(), access.size())
-                if r_access != cydriver.CUDA_SUCCESS or mapped != count:
-                    # Undo this call's work so that a failure leaves nothing half mapped.
-                    for i in range(mapped):
-                        cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(addr + i * page), page)
-                    for i in range(created):
-                        cydriver.cuMemRelease(handles[i])
-                r_unrelax = _unrelax(mode)
-        check(r_relax, "cuThreadExchangeStreamCaptureMode")
-        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
-        if r_create == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+        cdef _Pages pages = _pages(addr, nbytes, page, handles.data())
+        pages.prop = &prop
+        pages.access = access.data()
+        pages.access_count = access.size()
+        cdef _Relaxed r
+        self._relaxed_call(_map_pages, &pages, &r, False)     # one exchange pair for all the pages
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        if pages.r_create == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
             return BACKEND_OOM
-        check(r_create, "cuMemCreate")
-        check(r_map, "cuMemMap")
-        check(r_access, "cuMemSetAccess")
+        check(pages.r_create, "cuMemCreate")
+        check(pages.r_map, "cuMemMap")
+        check(pages.r_access, "cuMemSetAccess")
         for i in range(count):
             self._page_handles[addr + i * page] = handles[i]
         self.mapped_bytes += nbytes
@@ -899,24 +978,15 @@ cdef class CudaDevice(Backend):
             if self._page_handles.count(addr + i * page) == 0:
                 raise ValueError(f"vm_unmap: page {addr + i * page:#x} was not mapped by vm_map")
             handles.push_back(self._page_handles[addr + i * page])
-        cdef cydriver.CUresult r_unmap = cydriver.CUDA_SUCCESS, r_release = cydriver.CUDA_SUCCESS
-        cdef cydriver.CUstreamCaptureMode mode = cydriver.CU_STREAM_CAPTURE_MODE_GLOBAL
-        cdef cydriver.CUresult r_relax, r_unrelax = cydriver.CUDA_SUCCESS
-        with nogil:
-            r_relax = _relax(&mode)
-            if r_relax == cydriver.CUDA_SUCCESS:
-                r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>addr, nbytes)
-                if r_unmap == cydriver.CUDA_SUCCESS:
-                    for i in range(count):
-                        r_release = cydriver.cuMemRelease(handles[i])
-                        if r_release != cydriver.CUDA_SUCCESS:
-                            break
-                r_unrelax = _unrelax(mode)
-        check(r_relax, "cuThreadExchangeStreamCaptureMode")    # nothing was unmapped
-        check(r_unmap, "cuMemUnmap")
+        cdef _Pages pages = _pages(addr, nbytes, page, handles.data())
+        cdef _Relaxed r
+        self._relaxed_call(_unmap_pages, &pages, &r, False)
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")    # nothing was unmapped
+        check(pages.r_unmap, "cuMemUnmap")
+        # Unmapped: forgotten, even should a release or the restore fail below.
         for i in range(count):
             self._page_handles.erase(addr + i * page)
         self.mapped_bytes -= nbytes
-        check(r_release, "cuMemRelease")
-        check(r_unrelax, "cuThreadExchangeStreamCaptureMode")
+        check(pages.r_release, "cuMemRelease")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
         return BACKEND_OK

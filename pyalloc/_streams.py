@@ -1,9 +1,9 @@
 """Stream handles of framework stream objects, as the int keys pyalloc's allocators use.
 
-The core accepts ints and objects with `__cuda_stream__`, `.cuda_stream` or `.ptr`; the hooks for
-Numba and cuda.core meet stream objects whose protocol answers are not plain ints (Numba's default
-stream answers with a cuda.bindings enum) or that carry only a `.handle` (a CUstream, or a ctypes
-pointer in old Numba). stream_handle() turns each into its int handle.
+stream_handle() is the allocator's own rule (pyalloc/_validate.pyx), for the hooks for Numba and
+cuda.core, which work out handles before they call the allocator: None, an int in [0, 2**64), or
+an object with `__cuda_stream__`, `.cuda_stream`, `.ptr` or `.handle`, whose handle may also be an
+object standing for an int (a cuda.bindings enum or CUstream, a ctypes pointer).
 
 One more thing: the driver API's stream 0 is the legacy default stream unless cuda-python runs in
 per-thread default stream mode (CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM set to a non-zero
@@ -14,6 +14,8 @@ another framework, allocating for "stream 0", never looks at. (On the simulated 
 ordinary stream.)
 """
 import os
+
+from pyalloc._validate import stream_handle_of as stream_handle
 
 CU_STREAM_LEGACY = 1
 
@@ -27,47 +29,6 @@ def _per_thread_default():
 
 
 LEGACY_IS_STREAM_ZERO = not _per_thread_default()
-
-
-def stream_handle(stream):
-    """The int handle of `stream` (None: 0, the default stream).
-
-    Accepts an int, an object with `__cuda_stream__` (cuda.core, Numba >= 0.21), `.cuda_stream`
-    (PyTorch), `.ptr` (CuPy) or `.handle` (a Numba stream: a CUstream, or a ctypes pointer in
-    Numba's old ctypes binding). TypeError for anything else; the handle's range is checked by the
-    allocator that receives it.
-    """
-    if stream is None:
-        return 0
-    if type(stream) is int:
-        handle = stream
-    elif isinstance(stream, bool):
-        raise TypeError(f"expected a stream, got {stream!r}")
-    elif hasattr(stream, "__cuda_stream__"):
-        proto = stream.__cuda_stream__()
-        if not (isinstance(proto, tuple) and len(proto) == 2):
-            raise TypeError(f"{type(stream).__name__}.__cuda_stream__() returned {proto!r}, "
-                            "expected a (version, handle) tuple")
-        handle = int(proto[1])
-    elif hasattr(stream, "cuda_stream"):
-        handle = int(stream.cuda_stream)
-    elif hasattr(stream, "ptr"):
-        handle = int(stream.ptr)
-    elif hasattr(stream, "handle"):
-        raw = stream.handle
-        if isinstance(raw, int):
-            handle = int(raw)
-        elif hasattr(raw, "value"):
-            handle = raw.value or 0   # a ctypes pointer (None for the null stream)
-        else:
-            handle = int(raw)         # a CUstream: int() gives its address
-    elif isinstance(stream, int):
-        handle = int(stream)
-    else:
-        raise TypeError(
-            f"expected a stream (an int handle, or an object with __cuda_stream__, .cuda_stream, "
-            f".ptr or .handle), got {type(stream).__name__} {stream!r}")
-    return handle
 
 
 def fold_legacy(handle, backend):

@@ -15,10 +15,10 @@ cdef object as_index(object value, str expected)
 
 
 cdef inline uintptr_t stream_handle(object stream) except? <uintptr_t>-1:
-    """The integer handle of a stream given as an int or a stream object.
-
-    Accepts ints (0 is the default stream), objects with `__cuda_stream__` (cuda.core's protocol,
-    returning (version, handle)), `.cuda_stream` (PyTorch) or `.ptr` (CuPy).
+    """The integer handle of a stream: None (0, the default stream), an int in [0, 2**64), or an
+    object with `__cuda_stream__` (cuda.core's protocol, returning (version, handle)),
+    `.cuda_stream` (PyTorch), `.ptr` (CuPy) or `.handle` (Numba); the whole rule is in
+    _validate.pyx, above stream_handle_other.
     (except? -1, not 0: the default stream's 0 is the common value, and would cost an error check.)
     """
     cdef unsigned long long value

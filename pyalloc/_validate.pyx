@@ -10,27 +10,74 @@ from pyalloc._policy cimport kMaxRequest
 from pyalloc.errors import OutOfMemoryError
 
 
+# What a stream is, the one rule for every caller (the core's methods through stream_handle, the
+# framework hooks through stream_handle_of):
+#   - None: 0, the default stream;
+#   - an object carrying a handle, looked for in this order: __cuda_stream__() returning
+#     (version, handle) (cuda.core, Numba >= 0.21), .cuda_stream (PyTorch), .ptr (CuPy), .handle
+#     (Numba: a cuda.bindings CUstream, or a ctypes pointer in Numba's old ctypes binding);
+#   - a handle, given itself or carried: an int in [0, 2**64), or an object standing for one: an
+#     integer through __index__ (numpy integers, cuda.bindings' enums and CUstream), a ctypes
+#     c_void_p (its .value; None, the null pointer, is 0), or anything else with __int__
+#     (cuda-python handles that predate __index__). Bools and floats are refused: True is no
+#     stream, and int(1.5) would silently name another stream.
+# A bad value raises TypeError (ValueError for an int out of range) naming it and where it came from.
+cdef str STREAM_EXPECTED = ("expected a stream (None, an int handle in [0, 2**64), or an object with "
+                            "__cuda_stream__, .cuda_stream, .ptr or .handle)")
+
+
 cdef uintptr_t stream_handle_other(object stream) except? <uintptr_t>-1:
-    if type(stream) is int:
-        raise ValueError(f"stream handle must be an int in [0, 2**64), got {stream}")
     if stream is None:
         return 0
-    handle = None
     if hasattr(stream, "__cuda_stream__"):
         proto = stream.__cuda_stream__()
-        if isinstance(proto, tuple) and len(proto) == 2:
-            handle = proto[1]
-    elif hasattr(stream, "cuda_stream"):
-        handle = stream.cuda_stream
-    elif hasattr(stream, "ptr") and not isinstance(stream, (bool, float)):
-        handle = stream.ptr
-    elif isinstance(stream, int) and not isinstance(stream, bool):
-        handle = int(stream)
-    if type(handle) is not int or handle < 0:
-        raise TypeError(
-            f"expected a stream (an int handle >= 0, or an object with __cuda_stream__, .cuda_stream "
-            f"or .ptr), got {stream!r}")
-    return stream_handle(handle)
+        if not (isinstance(proto, tuple) and len(proto) == 2):
+            raise TypeError(f"{type(stream).__name__}.__cuda_stream__() returned {proto!r}, "
+                            f"expected a (version, handle) tuple (stream {stream!r})")
+        return handle_value(proto[1], stream, ".__cuda_stream__()[1]")
+    for attribute in ("cuda_stream", "ptr", "handle"):
+        if hasattr(stream, attribute):
+            return handle_value(getattr(stream, attribute), stream, "." + attribute)
+    return handle_value(stream, None, None)
+
+
+cdef uintptr_t handle_value(object value, object owner, str where) except? <uintptr_t>-1:
+    """`value` as a stream handle (see the rule above); `owner` and `where` name what carried it
+    (None: the stream argument itself), for the error messages."""
+    cdef unsigned long long out
+    handle = None
+    if isinstance(value, (bool, float)):
+        pass
+    elif isinstance(value, int) or hasattr(value, "__index__"):
+        try:
+            handle = PyNumber_Index(value)      # an exact int, or TypeError (__index__ gave no int)
+        except TypeError:
+            pass
+    elif isinstance(value, c_void_p()):
+        handle = value.value or 0
+    elif hasattr(value, "__int__"):
+        handle = int(value)
+    if type(handle) is not int:
+        if owner is None:
+            raise TypeError(f"{STREAM_EXPECTED}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"expected a stream handle (an int in [0, 2**64)) in "
+                        f"{type(owner).__name__}{where} of {owner!r}, got {type(value).__name__} {value!r}")
+    if exact_int_to_u64(handle, &out) != 0:
+        source = "" if owner is None else f" (in {type(owner).__name__}{where} of {owner!r})"
+        raise ValueError(f"stream handle must be an int in [0, 2**64), got {handle}{source}")
+    return <uintptr_t>out
+
+
+cdef object c_void_p():
+    # ctypes is imported only once a ctypes handle could be about (not by `import pyalloc`).
+    from ctypes import c_void_p
+    return c_void_p
+
+
+def stream_handle_of(stream):
+    """The int handle of `stream` (None: 0, the default stream), by the rule above: for Python
+    callers (the framework hooks), as the allocator's methods read their stream arguments."""
+    return stream_handle(stream)
 
 
 cdef object as_index(object value, str expected):

@@ -33,16 +33,13 @@ import threading
 from pyalloc import defaults as _defaults
 from pyalloc._core import Buffer
 from pyalloc._hooks import FrameworkMalloc
-from pyalloc.errors import NoCudaDriverError, OutOfMemoryError
+from pyalloc.errors import NoCudaDriverError, OutOfMemoryError, framework_out_of_memory_error
 
 __all__ = ["install", "uninstall", "using", "is_installed", "allocator", "out_of_memory_error"]
 
 _lock = threading.Lock()
 _installed = None          # (our allocator function, CuPy's allocator before install) while installed
 _oom_class = None
-
-_FIGURES = ("requested", "segment_size", "device", "total", "free", "allocated",
-            "reserved_unallocated", "allowed")
 
 
 def _import_cupy():
@@ -55,8 +52,12 @@ def _import_cupy():
 
 # ------------------------------------------------------------------------------ errors
 
-def _rebuild_oom(message, figures):
-    return out_of_memory_error()(message, **figures)
+def _cupy_figures(err, message):
+    # CuPy's own figures, read by code written for its error: the request, what the pool holds,
+    # and the limit (0: none).
+    err._size = err.requested or 0
+    err._total = (err.allocated or 0) + (err.reserved_unallocated or 0)
+    err._limit = err.allowed or 0
 
 
 def out_of_memory_error():
@@ -65,34 +66,12 @@ def out_of_memory_error():
     """
     global _oom_class
     if _oom_class is None:
-        cupy_oom = _import_cupy().cuda.memory.OutOfMemoryError
-
-        class CupyOutOfMemoryError(OutOfMemoryError, cupy_oom):
-            """Out of memory in a CuPy allocation served by pyalloc. Figures in bytes, as in
-            pyalloc.OutOfMemoryError; CuPy's _size/_total/_limit are set from them."""
-
-            def __init__(self, message, **figures):
-                # Neither base __init__ fits: pyalloc's passes the message on to CuPy's, which
-                # takes (size, total, limit). Set both sets of attributes here.
-                MemoryError.__init__(self, message)
-                for name in _FIGURES:
-                    setattr(self, name, figures.get(name))
-                reserved = (self.allocated or 0) + (self.reserved_unallocated or 0)
-                self._size = self.requested or 0
-                self._total = reserved
-                self._limit = self.allowed or 0
-
-            def __reduce__(self):
-                return (_rebuild_oom, (str(self), {n: getattr(self, n) for n in _FIGURES}))
-
-        CupyOutOfMemoryError.__module__ = __name__
-        CupyOutOfMemoryError.__qualname__ = "CupyOutOfMemoryError"
-        _oom_class = CupyOutOfMemoryError
+        _oom_class = framework_out_of_memory_error(
+            _import_cupy().cuda.memory.OutOfMemoryError, __name__, "CupyOutOfMemoryError",
+            "Out of memory in a CuPy allocation served by pyalloc. Figures in bytes, as in "
+            "pyalloc.OutOfMemoryError; CuPy's _size/_total/_limit are set from them.",
+            out_of_memory_error, _cupy_figures)
     return _oom_class
-
-
-def _as_cupy_oom(exc):
-    return out_of_memory_error()(str(exc), **{n: getattr(exc, n, None) for n in _FIGURES})
 
 
 # ------------------------------------------------------------------------------ the allocator
@@ -140,7 +119,7 @@ def allocator(device=None, fallback=None, detect_capture="route"):
         try:
             return Buffer(alloc, nbytes, stream)
         except OutOfMemoryError as exc:
-            raise _as_cupy_oom(exc) from None
+            raise out_of_memory_error().from_error(exc) from None
 
     # The hot path (FrameworkMalloc, in Cython): CuPy's current device and stream, one core
     # malloc, CuPy's two wrapper objects.

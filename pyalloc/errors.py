@@ -91,3 +91,52 @@ class ReuseError(RuntimeError):
         self.stream = stream
         self.use_stream = use_stream
         self.operation = operation
+
+
+# ------------------------------------------------------------------ frameworks' out-of-memory errors
+
+# The figures an OutOfMemoryError carries (its keyword arguments), in bytes but for device.
+OOM_FIGURES = ("requested", "segment_size", "device", "total", "free", "allocated",
+               "reserved_unallocated", "allowed")
+
+
+def oom_figures(exc):
+    """The figures of `exc` as OutOfMemoryError's keyword arguments (None for any it lacks)."""
+    return {name: getattr(exc, name, None) for name in OOM_FIGURES}
+
+
+def _rebuild_framework_oom(get_class, message, figures):
+    return get_class()(message, **figures)
+
+
+def framework_out_of_memory_error(framework_error, module, name, doc, get_class, init_extra=None):
+    """A class that is both OutOfMemoryError and `framework_error` (a framework's own
+    out-of-memory exception), so that code catching either keeps working: the one recipe of
+    pyalloc.cupy, pyalloc.torch and pyalloc.numba.
+
+    The class is `module`.`name`, documented by `doc`. It takes (message, **figures) as
+    OutOfMemoryError does and its str() is the message. Only MemoryError's __init__ runs, since
+    neither base's fits the other's arguments (CuPy's takes (size, total, limit), Numba's
+    CudaAPIError (code, msg) and prints "[code] msg"); init_extra(self, message), when given,
+    then sets the framework's own attributes from the figures. Instances pickle with their
+    figures through get_class, a module-level function returning the class: the class is made on
+    first use (the framework's import comes late), so pickle cannot find it by name.
+    from_error(exc) makes one from any OutOfMemoryError, with its message and figures.
+    """
+    def __init__(self, message, **figures):
+        MemoryError.__init__(self, message)
+        for figure in OOM_FIGURES:
+            setattr(self, figure, figures.get(figure))
+        if init_extra is not None:
+            init_extra(self, message)
+
+    def __reduce__(self):
+        return (_rebuild_framework_oom, (get_class, str(self), oom_figures(self)))
+
+    def from_error(cls, exc):
+        return cls(str(exc), **oom_figures(exc))
+
+    return type(name, (OutOfMemoryError, framework_error), {
+        "__doc__": doc, "__module__": module, "__qualname__": name,
+        "__init__": __init__, "__reduce__": __reduce__, "__str__": BaseException.__str__,
+        "from_error": classmethod(from_error)})

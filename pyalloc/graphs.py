@@ -13,7 +13,8 @@ order (a block freed on a stream goes back to that stream in the pool). A block 
 streams used (record_stream) is kept until the capture ends, or, with
 graph_capture_record_stream_reuse:True, until the capture's graph proves those uses precede the
 allocating stream's new work (PyTorch #162186). The pool keeps its memory as long as a graph or
-pool handle uses it (PyTorch's semantics, shared/reference/pytorch-allocator.md section 4).
+pool handle uses it, as PyTorch's private pools do: each user counts once, and once none is left
+the pool's cached memory goes back to the device at the next empty_cache or out-of-memory flush.
 
 Differences from PyTorch: a capture that fails (an exception in the block, or a failed end of
 capture) releases its pool instead of leaking it (PyTorch's #190348); nothing is freed to the

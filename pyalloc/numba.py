@@ -46,13 +46,11 @@ import weakref
 from pyalloc import _streams
 from pyalloc import defaults as _defaults
 from pyalloc._core import Buffer
-from pyalloc.errors import OutOfMemoryError
+from pyalloc.errors import OutOfMemoryError, framework_out_of_memory_error
 
 __all__ = ["install", "is_installed", "allocation_stream", "PyallocMemoryManager",
            "NumbaOutOfMemoryError"]
 
-_FIGURES = ("requested", "segment_size", "device", "total", "free", "allocated",
-            "reserved_unallocated", "allowed")
 _LAZY = ("PyallocMemoryManager", "NumbaOutOfMemoryError", "_numba_memory_manager")
 _build_lock = threading.Lock()
 _local = threading.local()          # .stream: the allocation stream set by allocation_stream()
@@ -143,8 +141,9 @@ def _numba_bindings(driver):
     return drvapi.cu_device_ptr, enums.CUDA_ERROR_OUT_OF_MEMORY
 
 
-def _rebuild_oom(message, figures):
-    return __getattr__("NumbaOutOfMemoryError")(message, **figures)
+def _oom_class():
+    """NumbaOutOfMemoryError (how its pickles find it: the class is made on first use)."""
+    return __getattr__("NumbaOutOfMemoryError")
 
 
 def _build():
@@ -157,27 +156,16 @@ def _build():
     registry = _defaults
     dict_setitem = dict.__setitem__
 
-    class NumbaOutOfMemoryError(OutOfMemoryError, driver.CudaAPIError):
-        """Out of memory in a Numba allocation served by pyalloc: a pyalloc.OutOfMemoryError (figures
-        in bytes) and a Numba CudaAPIError whose .code is CUDA_ERROR_OUT_OF_MEMORY, so code
-        catching either keeps working."""
+    def numba_figures(err, message):
+        # CudaAPIError's own attributes, read by code written for Numba's error.
+        err.code = oom_code
+        err.msg = message
 
-        def __init__(self, message, **figures):
-            # Neither base __init__ fits (CudaAPIError takes (code, msg)): set both sets here.
-            MemoryError.__init__(self, message)
-            for name in _FIGURES:
-                setattr(self, name, figures.get(name))
-            self.code = oom_code
-            self.msg = message
-
-        def __str__(self):
-            return self.msg
-
-        def __reduce__(self):
-            return (_rebuild_oom, (self.msg, {n: getattr(self, n) for n in _FIGURES}))
-
-    NumbaOutOfMemoryError.__module__ = __name__
-    NumbaOutOfMemoryError.__qualname__ = "NumbaOutOfMemoryError"
+    NumbaOutOfMemoryError = framework_out_of_memory_error(
+        driver.CudaAPIError, __name__, "NumbaOutOfMemoryError",
+        "Out of memory in a Numba allocation served by pyalloc: a pyalloc.OutOfMemoryError (figures "
+        "in bytes) and a Numba CudaAPIError whose .code is CUDA_ERROR_OUT_OF_MEMORY, so code "
+        "catching either keeps working.", _oom_class, numba_figures)
 
     class PyallocMemoryManager(driver.GetIpcHandleMixin, driver.HostOnlyCUDAMemoryManager):
         """Numba EMM plugin (interface version 1) over pyalloc's default allocators; see the
@@ -239,8 +227,7 @@ def _build():
             try:
                 return Buffer(alloc, size, stream)
             except OutOfMemoryError as exc:
-                raise NumbaOutOfMemoryError(
-                    str(exc), **{n: getattr(exc, n, None) for n in _FIGURES}) from None
+                raise NumbaOutOfMemoryError.from_error(exc) from None
 
         def _release(self, ptr, buf):
             """The finalizer of an allocation: its last reference is gone (or reset() dropped it)."""

@@ -30,7 +30,7 @@ import os
 import threading
 
 from pyalloc import defaults
-from pyalloc.errors import NotAllocatedError, OutOfMemoryError
+from pyalloc.errors import NotAllocatedError, OutOfMemoryError, framework_out_of_memory_error
 
 LIBRARY_NAME = "libpyalloc_torch.so"
 ALLOC_SYMBOL = "pyalloc_torch_malloc"
@@ -41,8 +41,6 @@ _library = None             # the ctypes.CDLL, bound to pyalloc's C table
 _pluggable = None           # the one CUDAPluggableAllocator (torch keeps its function pointers)
 _installed = False
 _oom_class = None
-_FIGURES = ("requested", "segment_size", "device", "total", "free", "allocated",
-            "reserved_unallocated", "allowed")
 
 
 def _import_torch():
@@ -93,27 +91,17 @@ def out_of_memory_error():
     torch.OutOfMemoryError and pyalloc.OutOfMemoryError (created on first use; imports torch)."""
     global _oom_class
     if _oom_class is None:
-        torch_oom = _import_torch().OutOfMemoryError
-
-        class TorchOutOfMemoryError(OutOfMemoryError, torch_oom):
-            """Out of memory in a PyTorch allocation served by pyalloc (figures in bytes, as in
-            pyalloc.OutOfMemoryError)."""
-
-            def __init__(self, message, **figures):
-                MemoryError.__init__(self, message)
-                for name in _FIGURES:
-                    setattr(self, name, figures.get(name))
-
-        TorchOutOfMemoryError.__module__ = __name__
-        TorchOutOfMemoryError.__qualname__ = "TorchOutOfMemoryError"
-        _oom_class = TorchOutOfMemoryError
+        _oom_class = framework_out_of_memory_error(
+            _import_torch().OutOfMemoryError, __name__, "TorchOutOfMemoryError",
+            "Out of memory in a PyTorch allocation served by pyalloc (figures in bytes, as in "
+            "pyalloc.OutOfMemoryError).", out_of_memory_error)
     return _oom_class
 
 
 def _as_torch_error(exc):
     # pyalloc._capi keeps this instead of a plain pyalloc.OutOfMemoryError for C callers.
     if isinstance(exc, OutOfMemoryError) and not isinstance(exc, out_of_memory_error()):
-        return out_of_memory_error()(str(exc), **{n: getattr(exc, n, None) for n in _FIGURES})
+        return out_of_memory_error().from_error(exc)
     return exc
 
 

@@ -9,7 +9,7 @@ after every event:
   not the block's);
 * allocated bytes: block sizes. The trace does not record them, so they come from replaying the
   trace through pyalloc under its own setting (pyalloc.replay, which reproduces PyTorch's figures
-  on the shared traces): an alloc's block is what memory_allocated() grew by at that event. When
+  on the traces in tests/data): an alloc's block is what memory_allocated() grew by at that event. When
   the setting cannot be replayed, allocated bytes are left out and the page says why.
 
 Like PyTorch's statistics, allocated and requested bytes drop at free_requested; the block stays

@@ -726,4 +726,29 @@ def capture_error_names_are_readable():
     return {code: list(_cuda.error_name(code)) for code in (900, 901, 906, 907, 908)}
 
 
+# Last: a failed cuMemFree leaves its segment with the allocator and the fake.
+@scenario
+def relaxed_mode_is_restored_when_each_memory_call_fails():
+    # The caller is in thread_local mode (1), so that a mode left relaxed (2) or set to global
+    # (0) shows. Each entry: [CudaError's call, result, name], the log, the mode afterwards.
+    out = {}
+    fake.fake_set_thread_mode(1)
+    try:
+        a = cuda_allocator(0)
+        a.free(a.malloc(MiB))
+        fake.fake_fail_next(b"cuMemFree", 700)
+        fake.fake_log_reset()
+        out["free"] = [cuda_error(a.empty_cache)[:3], driver_log(), fake.fake_thread_mode()]
+        e = pyalloc.CachingAllocator(0, backend="cuda", config="expandable_segments:True")
+        fake.fake_fail_next(b"cuMemAddressReserve", 700)
+        fake.fake_log_reset()
+        out["reserve"] = [cuda_error(e.malloc, 6 * MiB)[:3], driver_log(), fake.fake_thread_mode()]
+        fake.fake_fail_next(b"cuMemCreate", 700)
+        fake.fake_log_reset()
+        out["map"] = [cuda_error(e.malloc, 6 * MiB)[:3], driver_log(), fake.fake_thread_mode()]
+    finally:
+        fake.fake_set_thread_mode(0)
+    return out
+
+
 print(json.dumps(results))

@@ -11,7 +11,8 @@
  *   - streams as opaque handles with work that the test launches and completes
  *     (fake_launch / fake_complete), and events that complete when their stream's work does;
  *   - fault injection: fake_fail_next(name, code) makes the next call of `name` return `code`
- *     (fake_fail_after(name, skip, code): the call after the next `skip` ones);
+ *     (fake_fail_after(name, skip, code): the call after the next `skip` ones), and
+ *     FAKE_CUDA_HIDE=name leaves one function out of cuGetProcAddress_v2's answers;
  *   - stream capture: cuStreamBeginCapture/EndCapture with a process-wide capture id counter;
  *     while a stream captures, fake_launch adds nodes to its graph instead of queueing work, each
  *     new node depending on the stream's terminal nodes (fake_capture_node adds a node after
@@ -920,7 +921,11 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsign
     base[sizeof base - 1] = 0;
     char *v = strstr(base, "_v");
     if (v && v[2] >= '0' && v[2] <= '9') *v = 0;
-    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+    /* FAKE_CUDA_HIDE names one function this driver lacks: cuda-bindings then raises when it is
+       called, for the tests of what pyalloc restores when a driver call raises. */
+    const char *hide = getenv("FAKE_CUDA_HIDE");
+    int hidden = hide && !strcmp(hide, base);
+    for (size_t i = 0; !hidden && i < sizeof table / sizeof table[0]; i++) {
         if (!strcmp(table[i].name, base)) {
             *pfn = table[i].fn;
             if (status) *status = 0;

@@ -6,7 +6,9 @@ with SimDevice's test API (tests/backends.py: on the GPU, streams whose work wai
 The few tests that need what only the simulator has (a device of a chosen size, counts of backend
 calls, chosen segment addresses, a hook inside a segment allocation) say so with @sim_only(reason).
 On the GPU every test's allocator is emptied afterwards and must hold nothing. Expected values come
-from the rules in shared/reference/pytorch-allocator.md (sections 1, 2 and 5), worked out by hand.
+from the rules of PyTorch's native allocator (c10/cuda/CUDACachingAllocator.cpp, late 2025), worked
+out by hand: its blocks, segments and pools, rounding, best fit, splitting and merging, the
+cross-stream events of record_stream, and empty_cache.
 """
 
 import gc
@@ -1349,7 +1351,7 @@ class BadProtocolStream:
     (True, TypeError, "True"),
     (NotAStream(), TypeError, "NotAStream()"),
     (BadProtocolStream(), TypeError, "BadProtocolStream()"),
-    (TorchLikeStream(-5), TypeError, "TorchLikeStream"),
+    (TorchLikeStream(-5), ValueError, "TorchLikeStream"),    # an int out of range, as -1 is
     (-1, ValueError, "-1"),
     (-(2 ** 70), ValueError, str(-(2 ** 70))),
     (2 ** 64, ValueError, str(2 ** 64)),

@@ -319,6 +319,72 @@ def test_a_failed_capture_mode_exchange_raises_cuda_error(results):
     assert restore == ["cuThreadExchangeStreamCaptureMode", 1, "CUDA_ERROR_INVALID_VALUE"]
 
 
+def failed_call(results, which):
+    return value(results, "relaxed_mode_is_restored_when_each_memory_call_fails")[which]
+
+
+def test_relaxed_mode_is_restored_when_cumemfree_fails(results):
+    error, log, mode = failed_call(results, "free")
+    assert error == ["cuMemFree", 700, "CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert log == ["exchange:1->2", "exchange:2->1"] and mode == 1
+
+
+def test_relaxed_mode_is_restored_when_an_address_reservation_fails(results):
+    error, log, mode = failed_call(results, "reserve")
+    assert error == ["cuMemAddressReserve", 700, "CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert log[-2:] == ["exchange:1->2", "exchange:2->1"] and mode == 1
+
+
+def test_relaxed_mode_is_restored_when_mapping_pages_fails(results):
+    error, log, mode = failed_call(results, "map")
+    assert error == ["cuMemCreate", 700, "CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert log[-2:] == ["exchange:1->2", "exchange:2->1"] and mode == 1
+
+
+# A driver call that raises instead of returning a CUresult: cuda-bindings does so for a function
+# the driver lacks (here FAKE_CUDA_HIDE takes cuMemGetInfo out of the fake). From a caller in
+# thread_local mode with no current context.
+RAISING_CALL = """
+import ctypes, json, sys
+fake = ctypes.CDLL(sys.argv[1])
+fake.fake_log.restype = ctypes.c_char_p
+from pyalloc import _cuda
+dev = _cuda.CudaDevice(0)
+before = _cuda.current_device()
+fake.fake_set_thread_mode(1)
+fake.fake_log_reset()
+try:
+    dev.mem_get_info()
+    error = None
+except RuntimeError as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"error": error, "log": fake.fake_log().decode().split(),
+                  "mode": fake.fake_thread_mode(), "before": before, "after": _cuda.current_device()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def raising_call(fake_libcuda):
+    env = child_env(fake_libcuda, 2, 64 * MiB, FAKE_CUDA_HIDE="cuMemGetInfo")
+    out = subprocess.run([sys.executable, "-c", RAISING_CALL, str(fake_libcuda)],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=str(HERE))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_driver_call_that_raises_propagates_its_exception(raising_call):
+    assert "cuMemGetInfo" in raising_call["error"] and "not found" in raising_call["error"]
+
+
+def test_relaxed_mode_is_restored_when_the_driver_call_raises(raising_call):
+    assert raising_call["log"] == ["exchange:1->2", "exchange:2->1"]
+    assert raising_call["mode"] == 1
+
+
+def test_the_callers_context_is_restored_when_the_driver_call_raises(raising_call):
+    assert raising_call["after"] == raising_call["before"] == -1
+
+
 def test_a_new_segment_during_a_global_capture_succeeds_and_keeps_the_capture(results):
     v = value(results, "a_new_segment_during_a_global_capture_keeps_the_capture_valid")
     assert v["log"] == ["exchange:0->2", "cuMemAlloc@2", "exchange:2->0"]

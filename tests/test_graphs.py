@@ -1,8 +1,10 @@
 """Specification of CUDA-graph capture in the allocator (a.graph, private graph pools, deferred
 frees, in-capture reuse with free markers), on the simulated device.
 
-Reference: shared/reference/pytorch-allocator.md 4.1-4.4 and 5; #158352's two-stream cases and
-#162186's per-stream rule. A kernel is `sim.launch(stream, uses=(ptr, ...))`: during a capture it
+The rules are PyTorch's (c10/cuda/CUDACachingAllocator.cpp, late 2025): private pools and the routing
+of a capture's allocations to them, a pool keeping its high-water mark while a graph uses it, frees
+deferred while a capture runs, graph_capture_record_stream_reuse (#158352's two-stream cases and
+#162186's per-stream rule), and empty_cache. A kernel is `sim.launch(stream, uses=(ptr, ...))`: during a capture it
 becomes a graph node that uses those blocks.
 """
 import os

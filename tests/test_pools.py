@@ -1,7 +1,10 @@
 """Specification of private pools (MemPool, use_mem_pool, routing), one behaviour per test.
 
-Reference: shared/reference/pytorch-allocator.md 4.1 (ids, use counts, routing), 4.2, 5 (empty_cache
-under routing, #158152), 1.10 (the OOM ladder under routing, use_on_oom) and 1.6 (no_split).
+The rules are PyTorch's (c10/cuda/CUDACachingAllocator.cpp and torch.cuda.MemPool, late 2025): pool
+ids ((0, n) made by a user, (n, 0) by a capture), use counts and routing (the innermost matching
+route wins); a pool keeps its high-water mark while referenced; empty_cache under routing leaves the
+default pools alone (#158152); the OOM ladder under routing (no full flush; a use_on_oom pool lends
+only its cached blocks); no_split pools never split.
 Everything runs on a SimDevice; expected values are worked out from those rules.
 """
 import gc

@@ -2,8 +2,9 @@
 
 The header comes from the nvidia-cuda-runtime wheel, so no CUDA toolkit is needed to build pyalloc.
 sys.path is scanned first because, under pip's isolated build, cuda.pathfinder looks at the user's
-site-packages rather than pip's temporary build environment (see shared/reference/build-notes.md,
-pitfall 1); pathfinder is only the fallback (conda, CUDA_HOME, a system toolkit).
+site-packages rather than pip's temporary build environment: it then finds no header, a system
+toolkit's, or a mismatched one from the user's venv. Pathfinder is only the fallback (conda,
+CUDA_HOME, a system toolkit).
 """
 import os
 import sys

@@ -5,7 +5,7 @@
 #
 # The GPU machine has Python 3.12, torch, CuPy, Cython, numpy, pytest, pytest-benchmark and
 # cuda-bindings 13.3, but no meson and no internet: first fetch the missing wheels, on a machine
-# with internet, from the repository root:   ../shared/tools/gpu-wheels.sh   (fills .whl/)
+# with internet, from the repository root:   bash tools/gpu-wheels.sh   (fills .whl/)
 # and take .whl/ along (it is git-ignored). Then, from the repository root on the GPU machine:
 #     bash tools/gpu-check.sh
 # The build goes to /tmp/inst, the wheels to /tmp/site, and tests run from a copy in /tmp/t so
@@ -31,7 +31,7 @@ say "wheels -> $SITE"
 if [ "${GPU_CHECK_NO_WHEELS:-0}" = 1 ]; then
     echo "(skipped: GPU_CHECK_NO_WHEELS=1, a local dry run with this python's packages)"
 elif ! ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
-    echo "no wheels in $ROOT/.whl: run ../shared/tools/gpu-wheels.sh from the repository root first"
+    echo "no wheels in $ROOT/.whl: run bash tools/gpu-wheels.sh from the repository root first"
     exit 2
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \

@@ -15,7 +15,7 @@
 #                                   then 40 s of its load on CuPy's own pool (the control)
 # A part finds the build of an earlier part of the same machine in /tmp/inst and reuses it.
 #
-# Carry `.whl` (../shared/tools/gpu-wheels.sh) and, optionally:
+# Carry `.whl` (bash tools/gpu-wheels.sh) and, optionally:
 #   .cupy_tests/  CuPy test files to run with pyalloc (e.g. tests/cupy_tests/cuda_tests/test_graph.py
 #                 of CuPy's sources at the installed version's tag; not part of this repository)
 #   .oldsrc/      an older pyalloc source tree (git archive REV | tar -x -C .oldsrc) to compare with
