@@ -583,9 +583,12 @@ def format_table(result: TuneResult, width: int = WIDTH) -> str:
     widths = [max([len(h[0]), len(h[1])] + [len(b[i]) for b in body]) for i, h in enumerate(headers)]
     # One space after the rank, two between the other columns.
     fixed = sum(widths) - widths[1] + 1 + 2 * (len(headers) - 2)
-    longest_piece = max((len(p) for b in body for p in _setting_pieces(b[1])), default=0)
-    # A column's continuation lines are indented by 2.
-    as_column = width - fixed >= max(longest_piece + 2, len("setting"))
+    # A column when every setting wraps into the room left (continuation lines are indented by 2;
+    # a setting of one piece needs no continuation line, so no room for the indent).
+    room = width - fixed
+    as_column = room >= len("setting") and all(
+        len(line) + (2 if i else 0) <= room
+        for b in body for i, line in enumerate(_wrap_setting(b[1], room)))
     if as_column:
         widths[1] = min(widths[1], width - fixed)
         columns = list(range(len(headers)))
