@@ -2,8 +2,8 @@
 """The device allocator: the lock, malloc and free, private-pool routing, cross-stream events, the
 slow path with its out-of-memory ladder, and the statistics and history readers.
 
-Where things are decided (PyTorch's native CUDA caching allocator, shared/reference/
-pytorch-allocator.md): rounding, size classes, best fit, split and merge in _policy.pxd; the
+Where things are decided (PyTorch's native CUDA caching allocator, c10/cuda/
+CUDACachingAllocator.cpp): rounding, size classes, best fit, split and merge in _policy.pxd; the
 statistics and trace entry of each allocation, free and segment change in _state.pxd; growing and
 shrinking expandable segments in _expandable.pyx; argument checks in _validate.pxd. This module
 calls them in PyTorch's order:

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Expandable segments: one reservation of virtual address space per (stream, pool), whose pages
 are mapped to physical memory as allocations need them and unmapped by empty_cache or the OOM
-flush (PyTorch's ExpandableSegment, shared/reference/pytorch-allocator.md section 3).
+flush (PyTorch's ExpandableSegment in c10/cuda/CUDACachingAllocator.cpp).
 
 The core calls these functions with its lock held, after the best-fit search of its pool failed.
 Mapped ranges are ordinary free blocks of the pool (mapped = True); unmapped ranges are blocks in

@@ -2,7 +2,8 @@
 # C structs (rounding, pool size class, segment size, best fit, should-split, split, merge).
 # cimported by every module that needs a decision, and inlined there, so the cache-hit path in
 # _core.pyx is these functions plus the commit steps of _state.pxd.
-# Reference: shared/reference/pytorch-allocator.md sections 1.3 to 1.8.
+# Reference: PyTorch's c10/cuda/CUDACachingAllocator.cpp (round_size, get_pool, get_free_block,
+# should_split, malloc's split and free_block's merge).
 from libc.stdint cimport uintptr_t, int64_t
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref, preincrement as inc

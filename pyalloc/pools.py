@@ -6,7 +6,8 @@ released and emptied. Allocations reach a pool through a route: `use_mem_pool(po
 calling thread's allocations on the pool's allocator (other threads are not routed, as in PyTorch).
 Graph capture routes the streams of a capture (the graph issue builds on begin_allocate_to_pool).
 
-Semantics, as PyTorch's (shared/reference/pytorch-allocator.md 4.1, 5):
+Semantics, as PyTorch's (c10/cuda/CUDACachingAllocator.cpp: PrivatePool, beginAllocateToPool,
+releasePool, emptyCache):
   * ids: (0, n) for user-created pools (MemPool, graph_pool_handle), (n, 0) for pools a capture
     creates; (0, 0) is the default pool.
   * use_count: 1 for the MemPool object, +1 while a use_mem_pool scope routes to it.

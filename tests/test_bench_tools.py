@@ -39,3 +39,12 @@ def test_torch_hook_figures_of_a_saved_run_separate_slow_children():
     assert fast, out.stdout
     native, pyalloc, one_slot = map(int, fast.groups())
     assert (native, pyalloc, one_slot) == (1955, 1667, 1582)      # medians of the fast children
+
+
+def test_bench_deferred_releases_every_deferred_block_at_the_join():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_deferred.py"), "--sizes", "50",
+                          "200", "--pairs", "5"], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"^\s*([\d,]+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", out.stdout, re.M)
+    assert rows == ["50", "200"], out.stdout
