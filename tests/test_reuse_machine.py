@@ -343,6 +343,10 @@ class ReuseMachine(RuleBasedStateMachine):
             body = lambda: self.alloc.record_stream(ptr, stream)
         else:
             body = getattr(self.alloc, op)
+        if op == "malloc":
+            # A malloc first polls events, which may retire blocks whose work is done: that is
+            # not the failed call's doing, so it is done before the state is taken.
+            self.on(w, self.alloc.process_events)
         before = self.allocation_state()
         failures = self.sim.counters["injected_failures"]
         self.sim.fail_next(call)

@@ -1,6 +1,7 @@
 """Simulated devices live in one process hand out disjoint addresses, as CUDA's unified
 addressing gives every device its own (issue 25, item 10)."""
 import gc
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,9 @@ def test_the_first_live_device_keeps_the_default_addresses():
     # In a fresh interpreter: here devices of failed tests may live on in stored tracebacks.
     code = ("from pyalloc import SimDevice; s = SimDevice(); "
             "print(s.base_address, s.reservation_base)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # cwd: the tests folder, so that a checkout's unbuilt pyalloc/ never shadows the installed one.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
     assert tuple(int(x) for x in out.stdout.split()) == (BASE, RESERVATIONS)
 
 
