@@ -113,6 +113,7 @@ class ReuseMachine(RuleBasedStateMachine):
         self.captures = {}              # worker -> Capture
         self.graphs = []                # (Graph, serials of foreign blocks it uses)
         self.scopes = {}                # worker -> (MemPool, entered context manager)
+        self.kept_pools = []            # MemPools of ended scopes, not released yet
 
     def teardown(self):
         # Cleanup only: a failure here must not hide the one the example is reported for.
@@ -128,6 +129,11 @@ class ReuseMachine(RuleBasedStateMachine):
         for w in list(self.scopes):
             try:
                 self.end_scope_of(w)
+            except Exception:
+                pass
+        for pool in self.kept_pools:
+            try:
+                pool.release()
             except Exception:
                 pass
         for g, _ in self.graphs:
@@ -269,15 +275,25 @@ class ReuseMachine(RuleBasedStateMachine):
         self.on(w, scope.__enter__)
         self.scopes[w] = (pool, scope)
 
-    def end_scope_of(self, w):
+    def end_scope_of(self, w, release=True):
         pool, scope = self.scopes.pop(w)
         self.on(w, lambda: scope.__exit__(None, None, None))
-        self.on(w, pool.release)
+        if release:
+            self.on(w, pool.release)
+        else:
+            self.kept_pools.append(pool)
 
     @precondition(lambda self: self.scopes)
-    @rule(data=st.data())
-    def end_scope(self, data):
-        self.end_scope_of(data.draw(st.sampled_from(sorted(self.scopes)), label="worker"))
+    @rule(data=st.data(), release=st.booleans())
+    def end_scope(self, data, release):
+        """The scope ends; its MemPool is released now, or kept (a program that holds on to its
+        pool object: releasing it frees segments, which finishes all queued work)."""
+        self.end_scope_of(data.draw(st.sampled_from(sorted(self.scopes)), label="worker"), release)
+
+    @precondition(lambda self: self.kept_pools)
+    @rule(w=st.integers(0, WORKERS - 1))
+    def release_kept_pool(self, w):
+        self.on(w, self.kept_pools.pop().release)
 
     # ------------------------------------------------------------------------- captures
 
@@ -402,7 +418,7 @@ class _Fixed:
 
 
 ReuseMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=50, deadline=None,
+    max_examples=EXAMPLES, stateful_step_count=int(os.environ.get("PYALLOC_SANITIZER_STEPS", "50")), deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 TestReuseMachine = ReuseMachine.TestCase
