@@ -223,11 +223,21 @@ def long_trace(tmp_path_factory):
 def test_ctrl_c_stops_tune_fit_at_once_and_leaves_no_process(tmp_path, long_trace, whom):
     import signal
     import time
-    configs = [a for mb in (64, 128, 256) for a in ("--config", f"max_split_size_mb:{mb}")]
+    # Enough rows that the run takes far longer than the wait below on a fast machine (with 3
+    # rows a quiet CI machine finished the whole run within the old fixed 4 s wait).
+    configs = [a for mb in (32, 48, 64, 96, 128, 192, 256, 384, 512, 768)
+               for a in ("--config", f"max_split_size_mb:{mb}")]
     proc = subprocess.Popen([sys.executable, "-m", "pyalloc", "tune", str(long_trace), "--fit",
                              "--jobs", "2", *configs], cwd=tmp_path, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(4)                        # loaded, and the workers deep in their bisections
+
+    def workers():
+        ps = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True)
+        return len(ps.stdout.split()) - 1          # the session's processes but the main one
+    deadline = time.monotonic() + 30
+    while workers() < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(1.5)                      # the workers deep in their bisections
     assert proc.poll() is None, proc.stderr.read()
     sent = time.monotonic()
     if whom == "group":                  # what a terminal's Ctrl-C does
