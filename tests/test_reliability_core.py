@@ -19,7 +19,7 @@ import pyalloc
 from pyalloc import Buffer, CachingAllocator, CudaError, PointerError, SimDevice
 from pyalloc._core import current_thread_key
 from pool_helpers import make, pool_of
-from test_capi import sim_device, table as c_table
+from test_capi import sim_defaults, table as c_table   # noqa: F401 (sim_defaults: a fixture)
 from pyalloc import _capi
 
 KiB = 1 << 10
@@ -49,15 +49,6 @@ def in_thread(fn):
     if "error" in box:
         raise box["error"]
     return box.get("result")
-
-
-@pytest.fixture
-def sim_defaults():
-    """Default allocators on simulated devices, which the C entry points serve."""
-    pyalloc.set_default_backend(sim_device)
-    _capi.clear_last_error()
-    yield
-    pyalloc.set_default_backend(None)
 
 
 # ------------------------------------------------------------------ 1. a routed pool stays alive
