@@ -355,6 +355,13 @@ def _terminate(pool):
         process.terminate()
     for process in processes:
         process.join(timeout=5)
+    # The pool's manager thread sees its workers die and closes its wakeup pipe; interpreter
+    # exit wakes every pool's pipe (concurrent.futures' atexit hook), and racing that close it
+    # printed "Exception ignored ... Bad file descriptor" after "pyalloc: interrupted". Wait for
+    # the thread here, so that it is done before exit begins.
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(timeout=5)
 
 
 # -- the search -------------------------------------------------------------------------------------
