@@ -1674,11 +1674,9 @@ cdef void index_deferred(StreamReuse* reuse, Block* b, CaptureUses* uses) noexce
     while uses.next_marker < uses.markers.size():
         if reuse.visited.count(uses.markers[uses.next_marker]) == 0:
             reuse.waiting[uses.markers[uses.next_marker]].push_back(entry)
-            reuse.indexed += 1
             return
         uses.next_marker += 1
     reuse.ready.push_back(entry)
-    reuse.indexed += 1
 
 
 cdef inline CaptureUses* still_deferred(DeviceCachingAllocator a, DeferredEntry entry) noexcept:
@@ -1837,7 +1835,6 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
             continue
         woken.swap(deref(waiting).second)
         reuse.waiting.erase(waiting)
-        reuse.indexed -= woken.size()
         for entry in woken:
             uses = still_deferred(a, entry)
             if uses != NULL:
@@ -1857,7 +1854,7 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
         else:
             reuse.ready[kept] = entry             # another pool's: its own malloc frees it
             kept += 1
-    reuse.indexed -= reuse.ready.size() - kept
+
     reuse.ready.resize(kept)
     if not cross or get_free_block(&a.st.settings, pool, stream, size) != NULL:
         return 0

@@ -397,7 +397,6 @@ struct StreamReuse {
     std::unordered_set<uintptr_t> visited;
     std::unordered_map<uintptr_t, std::vector<DeferredEntry>> waiting;   // marker node -> blocks
     std::vector<DeferredEntry> ready;        // every marker visited: free at the next malloc here
-    size_t indexed = 0;                      // entries in waiting and ready (stale ones too)
 };
 
 struct CaptureReuse {

@@ -185,7 +185,6 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         unordered_set[uintptr_t] visited
         unordered_map[uintptr_t, vector[DeferredEntry]] waiting
         vector[DeferredEntry] ready
-        size_t indexed
 
     cdef cppclass CaptureReuse:
         unordered_map[uintptr_t, StreamReuse] streams
