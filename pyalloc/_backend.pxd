@@ -23,6 +23,7 @@ cdef class Backend:
     # A reuse sanitizer (SimDevice(check_reuse=True)): when set at the allocator's construction, the
     # core calls check_handout for every block it hands out, and C callers take the ordinary path.
     cdef readonly bint checks_reuse
+    cdef int unsupported(self, str what) except -1     # NotImplementedError (RuntimeError: the base)
 
     # Device memory segments (cudaMalloc / cudaFree).
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1

@@ -3,35 +3,48 @@
 
 
 cdef class Backend:
-    """Abstract device backend. Subclasses implement the methods declared in _backend.pxd."""
+    """Abstract device backend. Subclasses implement the methods declared in _backend.pxd.
+
+    The base class itself is the backend of an allocator whose __init__ has not run (a subclass
+    that skips super().__init__(), or cls.__new__(cls)): its calls raise RuntimeError, so the core
+    never calls a backend method through None (a crash: Cython does not check for None there)."""
 
     def __init__(self, int device=0):
         self.device = device
         self.kind = "abstract"
 
+    cdef int unsupported(self, str what) except -1:
+        """The error of a method this backend does not implement."""
+        if type(self) is Backend:
+            raise RuntimeError(
+                f"uninitialised backend: this allocator was never initialized, so it {what} "
+                "(DeviceCachingAllocator.__init__ did not run: a subclass's __init__ must call "
+                "super().__init__(), and an allocator made with __new__ alone has no device)")
+        raise NotImplementedError(f"{type(self).__name__} {what}")
+
     cdef int segment_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:
-        raise NotImplementedError(f"{type(self).__name__} cannot allocate segments")
+        return self.unsupported("cannot allocate segments")
 
     cdef int segment_free(self, uintptr_t ptr, size_t nbytes) except -1:
-        raise NotImplementedError(f"{type(self).__name__} cannot free segments")
+        return self.unsupported("cannot free segments")
 
     cdef int memory_info(self, size_t* free_bytes, size_t* total_bytes) except -1:
-        raise NotImplementedError(f"{type(self).__name__} cannot report memory")
+        return self.unsupported("cannot report memory")
 
     cdef int event_create(self, uintptr_t* event) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no events")
+        return self.unsupported("has no events")
 
     cdef int event_record(self, uintptr_t event, uintptr_t stream) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no events")
+        return self.unsupported("has no events")
 
     cdef int event_query(self, uintptr_t event) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no events")
+        return self.unsupported("has no events")
 
     cdef int event_synchronize(self, uintptr_t event) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no events")
+        return self.unsupported("has no events")
 
     cdef int event_destroy(self, uintptr_t event) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no events")
+        return self.unsupported("has no events")
 
     cdef int stream_device(self, uintptr_t stream) except -2:
         # A backend that knows of no other device: every stream is its own.
@@ -40,40 +53,40 @@ cdef class Backend:
     cdef int event_create_on(self, int device, uintptr_t* event) except -1:
         if device == self.device:
             return self.event_create(event)
-        raise NotImplementedError(f"{type(self).__name__} cannot make events for device {device}")
+        return self.unsupported(f"cannot make events for device {device}")
 
     cdef int stream_synchronize(self, uintptr_t stream) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no streams")
+        return self.unsupported("has no streams")
 
     cdef int device_synchronize(self) except -1:
-        raise NotImplementedError(f"{type(self).__name__} cannot synchronize")
+        return self.unsupported("cannot synchronize")
 
     cdef int vm_granularity(self, size_t* nbytes) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
+        return self.unsupported("has no virtual memory operations")
 
     cdef int vm_reserve(self, size_t nbytes, uintptr_t* base) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
+        return self.unsupported("has no virtual memory operations")
 
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
+        return self.unsupported("has no virtual memory operations")
 
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
+        return self.unsupported("has no virtual memory operations")
 
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
+        return self.unsupported("has no virtual memory operations")
 
     cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
-        raise NotImplementedError(f"{type(self).__name__} cannot capture streams")
+        return self.unsupported("cannot capture streams")
 
     cdef int capture_end(self, uintptr_t stream, uintptr_t* graph) except -1:
-        raise NotImplementedError(f"{type(self).__name__} cannot capture streams")
+        return self.unsupported("cannot capture streams")
 
     cdef int graph_launch(self, uintptr_t graph, uintptr_t stream) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+        return self.unsupported("has no graphs")
 
     cdef int graph_destroy(self, uintptr_t graph) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+        return self.unsupported("has no graphs")
 
     cdef int capture_info(self, uintptr_t stream, unsigned long long* capture_id,
                           vector[uintptr_t]* terminals) except -1:
@@ -81,7 +94,7 @@ cdef class Backend:
         return 0
 
     cdef int node_dependencies(self, uintptr_t node, vector[uintptr_t]* parents) except -1:
-        raise NotImplementedError(f"{type(self).__name__} has no graph nodes")
+        return self.unsupported("has no graph nodes")
 
     # Python access to the capture operations, for the allocator's graph API and for tests.
 

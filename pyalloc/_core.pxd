@@ -3,76 +3,27 @@
 from libc.stdint cimport uintptr_t, uint32_t
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
-from libcpp.vector cimport vector
-from libcpp.deque cimport deque
-from libcpp.pair cimport pair
-from libcpp.map cimport map as cppmap
-from libcpp.unordered_map cimport unordered_map
-from libcpp.unordered_set cimport unordered_set
 
-from libc.stdint cimport uint64_t
-from pyalloc._types cimport (AllocatorLock, ActiveMap, Block, BlockPool, CaptureReuse, CaptureUses,
-                             DeferredEntry, StreamReuse,
-                             CoreState, MempoolId, PrivatePool, Route)
+from pyalloc._types cimport Block
+from pyalloc._device cimport DeviceState
 from pyalloc._backend cimport Backend
-
-ctypedef pair[uintptr_t, Block*] EventEntry          # (event, block waiting on it)
-ctypedef deque[EventEntry] EventQueue                 # one stream's events, oldest first
-ctypedef unordered_map[uintptr_t, EventQueue] EventQueues
-ctypedef Block* BlockPtr
 
 
 cdef class DeviceCachingAllocator:
-    # What a cache hit reads comes first and together (declaration order is the object's layout),
-    # so that a malloc or free served from the cache touches few of the object's cache lines: the
-    # pools, the active map, the tests of needs_python (_core.pyx), the lock's word, then the
-    # settings and statistics at the start of st.
-    cdef BlockPool* small_blocks                      # the default pools
-    cdef BlockPool* large_blocks
-    cdef ActiveMap active_blocks                      # ptr -> block handed out or awaiting events
-    cdef size_t outstanding_events
-    cdef vector[Route] captures_underway              # newest last; scanned newest first
-    cdef int capture_routes                           # routes of kind ROUTE_CAPTURE active
-    cdef public bint capture_alloc_stacks              # set by the snapshot layer
-    cdef public bint capture_free_stacks               # also capture the stack of each free()
-    cdef readonly bint reuse_checked                   # the backend's reuse sanitizer is on
-    cdef AllocatorLock mutex
-    cdef CoreState st                                 # settings, statistics, history, spares
-    cdef readonly Backend backend
-    cdef EventQueues stream_events
-    cdef vector[uintptr_t] event_pool                 # created, idle events for reuse
-    cdef unordered_map[int, vector[uintptr_t]] foreign_event_pools   # the same, by other device
-    cdef unordered_map[uintptr_t, int] foreign_event_devices         # event -> its other device
-    # Stream lifetime: how many block stream uses (record_stream) name each stream handle, and the
-    # stream objects record_stream was given, kept alive while a use names them (see record_stream).
-    cdef unordered_map[uintptr_t, size_t] stream_use_counts
-    cdef dict stream_pins                             # handle -> stream object
-    # Allocation streams given as objects (framework hooks, malloc(n, stream_obj)): kept alive while
-    # the allocator holds blocks of theirs, so that their handle is not handed to a new stream while
-    # memory cached for the old one may still be in use by its queued work (see keep_allocation_stream).
-    cdef unordered_set[uintptr_t] allocation_streams_kept
-    cdef dict allocation_stream_objects               # handle -> stream object
+    # The state first: what a cache hit reads is at its start (see DeviceState in _device.h).
+    cdef DeviceState d
+    cdef readonly Backend backend                     # d.backend borrows this reference
+    # Stream lifetime's Python half (the C half is in d): the stream objects record_stream was
+    # given, kept alive while a use names them (handle -> object), and the allocation streams
+    # given as objects (framework hooks, malloc(n, stream_obj)), kept alive while the allocator
+    # holds blocks of theirs, so that their handle is not handed to a new stream while memory
+    # cached for the old one may still be in use by its queued work (see keep_allocation_stream).
+    cdef dict stream_pins
+    cdef dict allocation_stream_objects
     cdef object pins_lock                             # orders changes of the two dicts above
-    # Allocation streams the program has dropped (only the allocator holds their object): an event
-    # recorded on each; once it completes, the object is let go (reap_dropped_streams).
-    cdef unordered_map[uintptr_t, uintptr_t] retiring_streams     # handle -> event
-
-    # private pools (MemPools, graph pools) and the routes into them
-    cdef cppmap[MempoolId, PrivatePool*] graph_pools
-    cdef vector[Block*] deferred_blocks               # freed with stream uses while routing; NULL: released
-    cdef size_t deferred_released                     # NULL slots in deferred_blocks
-    cdef size_t deferred_marked                       # deferred blocks with free markers (reuse candidates)
-    cdef uint64_t last_defer_id                       # CaptureUses.defer_id of the newest deferral
-    cdef unordered_map[BlockPtr, CaptureUses] capture_uses     # blocks used or freed in a capture
-    cdef unordered_map[uint64_t, CaptureReuse] reuse_contexts  # by capture id (#162186 cache)
-    cdef uint64_t nodes_expanded                      # graph nodes the reuse walks expanded
-
     # memory history
     cdef public object context_recorder                # callable() -> context id, or None
     cdef public list oom_observers                     # callables(device, alloc_size, total, free)
-
-    # last OOM figures, read after the lock is dropped to build the message
-    cdef size_t oom_alloc_size, oom_free, oom_total, oom_private
 
     # For C callers (replay, framework hooks). *_locked: the caller holds the lock.
     cdef void lock(self) noexcept

@@ -11,3 +11,14 @@ cdef size_t expandable_growth_bytes(BlockPool* pool, uintptr_t stream, size_t si
 cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1
 cdef size_t mapped_bytes(CoreState* st, BlockPool* pool, uintptr_t stream) noexcept
 cdef void free_segment_structs(CoreState* st) noexcept
+
+
+cdef inline size_t whole_pages(Block* b, uintptr_t* first, uintptr_t* last) noexcept nogil:
+    """The whole pages inside expandable block `b`: [*first, *last), and their bytes (0: none).
+    What unmap_block unmaps, and what the release ladder's dry run counts for it."""
+    cdef size_t page = b.segment.page_size
+    cdef uintptr_t base = b.segment.base
+    cdef uintptr_t offset = b.ptr - base
+    first[0] = base + ((offset + page - 1) // page) * page
+    last[0] = base + ((offset + b.size) // page) * page
+    return last[0] - first[0] if last[0] > first[0] else 0

@@ -223,10 +223,8 @@ cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1:
     """Unmap the whole pages inside free expandable block `b`; partial pages stay mapped."""
     cdef ExpandableSegment* seg = b.segment
     cdef size_t page = seg.page_size
-    cdef uintptr_t offset = b.ptr - seg.base
-    cdef uintptr_t first = seg.base + ((offset + page - 1) // page) * page
-    cdef uintptr_t last = seg.base + ((offset + b.size) // page) * page
-    if first >= last:
+    cdef uintptr_t first, last
+    if whole_pages(b, &first, &last) == 0:
         return 0
     # Work queued before the free may still use these pages. PyTorch synchronizes only the
     # segment's stream; pyalloc waits for the device, because CuPy destroys a stream when its

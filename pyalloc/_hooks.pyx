@@ -154,7 +154,7 @@ cdef class FrameworkMalloc:
         (DeviceCachingAllocator.keep_allocation_stream). One lookup under the allocator's lock per
         allocation off the default stream; the stream object is fetched once per stream."""
         alloc.lock()
-        cdef bint kept = alloc.allocation_streams_kept.count(stream) != 0
+        cdef bint kept = alloc.d.allocation_streams_kept.count(stream) != 0
         alloc.unlock()
         if kept:
             return 0

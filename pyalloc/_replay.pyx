@@ -303,8 +303,8 @@ cdef inline size_t available_bytes(DeviceCachingAllocator a) except? 0:
     """Bytes a new segment could still take: the device's free memory, or less under a limit."""
     cdef size_t free_bytes = 0, total_bytes = 0
     a.backend.memory_info(&free_bytes, &total_bytes)
-    cdef size_t limit = a.st.settings.allowed_memory_maximum
-    cdef size_t held = a.st.total_allocated_memory
+    cdef size_t limit = a.d.st.settings.allowed_memory_maximum
+    cdef size_t held = a.d.st.total_allocated_memory
     if limit != kSizeMax:
         if held >= limit:
             return 0
@@ -479,15 +479,15 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
                 stream = v_stream
                 fits = None
                 margin = 0
-                reserved = allocator.st.stats[ST_RESERVED_BYTES].all_current
-                allocated = allocator.st.stats[ST_ALLOCATED_BYTES].all_current
+                reserved = allocator.d.st.stats[ST_RESERVED_BYTES].all_current
+                allocated = allocator.d.st.stats[ST_ALLOCATED_BYTES].all_current
                 if attempt_ooms and size > 0:
                     if allocator.malloc_locked(size, stream, 0, &b) == BACKEND_OOM:
                         fits = False
-                        need = segment_size_for(round_size(&allocator.st.settings, size))
+                        need = segment_size_for(round_size(&allocator.d.st.settings, size))
                         margin = <object>available_bytes(allocator) - <object>need
-                        reserved = allocator.st.stats[ST_RESERVED_BYTES].all_current
-                        allocated = allocator.st.stats[ST_ALLOCATED_BYTES].all_current
+                        reserved = allocator.d.st.stats[ST_RESERVED_BYTES].all_current
+                        allocated = allocator.d.st.stats[ST_ALLOCATED_BYTES].all_current
                     else:
                         fits = True
                         margin = available_bytes(allocator)

@@ -78,7 +78,7 @@ class Graph:
     """
 
     def __init__(self, allocator, stream, pool=None, capture_error_mode="global", capture=None):
-        from pyalloc._core import stream_handle_of
+        from pyalloc._validate import stream_handle_of
         if capture_error_mode not in CAPTURE_ERROR_MODES:
             raise ValueError(f"capture_error_mode must be one of {', '.join(CAPTURE_ERROR_MODES)}, "
                              f"got {capture_error_mode!r}")
@@ -151,7 +151,7 @@ class Graph:
 
     def replay(self, stream=None):
         """Launch the captured graph on `stream` (default: the capture stream)."""
-        from pyalloc._core import stream_handle_of
+        from pyalloc._validate import stream_handle_of
         if self._state != "captured":
             raise RuntimeError(f"replay needs a captured graph; this one is {self._state}")
         self._capture.launch(self._graph, self.stream if stream is None else stream_handle_of(stream))

@@ -1,0 +1,354 @@
+# cython: language_level=3
+"""Cross-stream events and stream lifetime.
+
+A block freed with stream uses (record_stream) waits for an event recorded on each of those
+streams at the free, polled in order per stream (process_events) or waited for (the OOM flush,
+empty_cache). Events are pooled per device. Stream objects the allocator keeps alive (the
+record_stream pins and the allocation streams of keep_allocation_stream) are let go here once no
+block use names them, or once the program dropped them and their queued work is done.
+"""
+from libc.stdint cimport uintptr_t
+from libcpp.vector cimport vector
+from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
+from cython.operator cimport dereference as deref, preincrement as inc
+from cpython.object cimport PyObject
+from cpython.dict cimport PyDict_Next, PyDict_GetItem
+
+from pyalloc._types cimport Block
+from pyalloc._device cimport (DeviceState, EventEntry, EventQueues, backend_of, lock_device,
+                              forget_stream_uses, free_completed)
+from pyalloc._capture cimport forget_capture_uses
+from pyalloc._introspect cimport collect_blocks
+
+
+cdef inline uintptr_t take_recorded_event(DeviceState* a, uintptr_t stream) except? 0:
+    """An idle event (made when none is pooled) recorded on `stream` now. As PyTorch, it is an
+    event of the stream's own device: an event and a stream of different contexts cannot be
+    recorded together. A failed record puts the event back and raises."""
+    cdef uintptr_t event
+    cdef int device = backend_of(a).stream_device(stream)
+    if device != backend_of(a).device:
+        event = take_foreign_event(a, device)
+    elif a.event_pool.empty():
+        backend_of(a).event_create(&event)
+    else:
+        event = a.event_pool.back()
+        a.event_pool.pop_back()
+    try:
+        backend_of(a).event_record(event, stream)
+    except BaseException:
+        return_event(a, event)
+        raise
+    return event
+
+
+cdef int insert_events(DeviceState* a, Block* b) except -1:
+    """Record an event on every stream that used `b`; b returns to its pool when all complete."""
+    cdef vector[uintptr_t] streams
+    streams.swap(b.stream_uses)
+    cdef uintptr_t event
+    cdef uintptr_t stream
+    cdef size_t done = 0
+    try:
+        for stream in streams:
+            event = take_recorded_event(a, stream)
+            b.event_count += 1
+            a.stream_events[stream].push_back(EventEntry(event, b))
+            a.outstanding_events += 1
+            done += 1
+    except BaseException:
+        # Undo: the events recorded so far are the newest of their streams' queues.
+        for i in range(done):
+            stream = streams[i]
+            return_event(a, a.stream_events[stream].back().first)
+            a.stream_events[stream].pop_back()
+            if a.stream_events[stream].empty():
+                a.stream_events.erase(stream)
+            b.event_count -= 1
+            a.outstanding_events -= 1
+        b.stream_uses.swap(streams)
+        raise
+    # The events hold what is needed of these streams from now on: their uses are over.
+    forget_stream_uses(a, &streams)
+    return 0
+
+
+cdef int destroy_events(DeviceState* a, bint outstanding) except -1:
+    """Destroy the idle events of the event pool and, with `outstanding`, the events blocks still
+    wait on (teardown only: those blocks are never freed then). An event whose destroy fails is
+    not used again."""
+    cdef uintptr_t event
+    cdef EventQueues.iterator it
+    if outstanding:
+        for entry in a.retiring_streams:
+            if entry.second != 0:
+                a.foreign_event_devices.erase(entry.second)
+                backend_of(a).event_destroy(entry.second)
+        a.retiring_streams.clear()
+        it = a.stream_events.begin()
+        while it != a.stream_events.end():
+            while not deref(it).second.empty():
+                event = deref(it).second.front().first
+                deref(it).second.pop_front()
+                a.outstanding_events -= 1
+                a.foreign_event_devices.erase(event)
+                backend_of(a).event_destroy(event)
+            it = a.stream_events.erase(it)
+    while not a.event_pool.empty():
+        event = a.event_pool.back()
+        a.event_pool.pop_back()
+        backend_of(a).event_destroy(event)
+    cdef unordered_map[int, vector[uintptr_t]].iterator pool = a.foreign_event_pools.begin()
+    while pool != a.foreign_event_pools.end():
+        while not deref(pool).second.empty():
+            event = deref(pool).second.back()
+            deref(pool).second.pop_back()
+            a.foreign_event_devices.erase(event)
+            backend_of(a).event_destroy(event)
+        pool = a.foreign_event_pools.erase(pool)
+    return 0
+
+
+cdef int drop_stream_objects(DeviceState* a, object pins_lock, dict objects,
+                             mark_unused_fn mark) except -1:
+    """Drop the stream objects of `objects` (handle -> object: the record_stream pins or the
+    allocation streams) that `mark` marks unused.
+
+    The handles are read into C before the allocator's lock, `mark` runs under it, and the
+    objects are dropped after it: no Python object is made or freed under the lock (dropping a
+    CuPy stream destroys it, and a collection run there could re-enter the allocator)."""
+    cdef vector[uintptr_t] c_handles
+    cdef vector[char] unused
+    cdef size_t i
+    dropped = []
+    with pins_lock:
+        handles = list(objects)
+        for h in handles:
+            c_handles.push_back(<uintptr_t>h)
+        unused.resize(c_handles.size(), 0)
+        lock_device(a)
+        try:
+            mark(a, &c_handles, &unused)
+        finally:
+            a.mutex.unlock()
+        for i in range(c_handles.size()):
+            if unused[i]:
+                dropped.append(objects.pop(handles[i], None))
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
+    return 0
+
+
+cdef int mark_streams_without_blocks(DeviceState* a, vector[uintptr_t]* handles,
+                                     vector[char]* unused) except -1:
+    """(Lock held.) The allocation streams of which no block is left; they are no longer kept."""
+    cdef vector[Block*] blocks
+    cdef unordered_set[uintptr_t] in_use
+    cdef Block* b
+    cdef size_t i
+    collect_blocks(a, &blocks)
+    for b in blocks:
+        in_use.insert(b.stream)
+    for i in range(handles.size()):
+        if not in_use.count(deref(handles)[i]):
+            deref(unused)[i] = 1
+            a.allocation_streams_kept.erase(deref(handles)[i])
+            forget_retiring_stream(a, deref(handles)[i])
+    return 0
+
+
+cdef int mark_streams_without_uses(DeviceState* a, vector[uintptr_t]* handles,
+                                   vector[char]* unused) except -1:
+    """(Lock held.) The record_stream pins that no block stream use names any more."""
+    cdef size_t i
+    for i in range(handles.size()):
+        deref(unused)[i] = a.stream_use_counts.count(deref(handles)[i]) == 0
+    return 0
+
+
+cdef int release_allocation_streams(DeviceState* a, object pins_lock, dict objects) except -1:
+    """Drop the allocation stream objects (`objects`, handle -> object: see
+    DeviceCachingAllocator.keep_allocation_stream) of which no block is left."""
+    return drop_stream_objects(a, pins_lock, objects, mark_streams_without_blocks)
+
+
+cdef extern from *:
+    """
+    static inline Py_ssize_t pyalloc_refcount(PyObject* o) { return Py_REFCNT(o); }
+    """
+    Py_ssize_t pyalloc_refcount(PyObject* o) noexcept
+
+
+cdef inline void forget_retiring_stream(DeviceState* a, uintptr_t h) noexcept:
+    """Its object is let go another way (lock held): the event goes back to the pool."""
+    cdef unordered_map[uintptr_t, uintptr_t].iterator it = a.retiring_streams.find(h)
+    if it != a.retiring_streams.end():
+        if deref(it).second != 0:
+            return_event(a, deref(it).second)
+        a.retiring_streams.erase(it)
+
+
+cdef int reap_dropped_streams(DeviceState* a, object pins_lock, dict objects, dict pins) except -1:
+    """Let go of the allocation stream objects the program has dropped, once their work is done.
+
+    keep_allocation_stream holds each stream object while blocks of its stream may be cached, so
+    that the driver cannot hand its handle to a new stream while its queued work may still use
+    them. Held until empty_cache, every stream a program makes and drops would stay alive, and
+    each keeps driver resources on the device (a soak on the H200 that replaced streams ~23
+    times a second showed 1.6 GB in use outside pyalloc after 150 s: about half a MiB a stream,
+    if that was all streams). So a stream whose object only the allocator holds (its dict, and
+    the record_stream pins) gets an event recorded on it; once that event has completed, nothing
+    queued on the stream is left, and its object is dropped, which destroys the stream. Its
+    cached blocks stay keyed by the handle: the next stream to get that handle may reuse them,
+    which is safe now. Called when a new allocation stream appears and from process_events();
+    nothing while a capture is underway
+    (no event may be recorded then)."""
+    cdef vector[uintptr_t] dropped_handles, still_held, finished
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef PyObject* pinned
+    cdef Py_ssize_t pos = 0
+    cdef Py_ssize_t holders
+    cdef uintptr_t h
+    cdef unordered_map[uintptr_t, uintptr_t].iterator it
+    if a.capture_routes or not a.captures_underway.empty():
+        return 0
+    dropped = []
+    with pins_lock:
+        # Borrowed references only: each count is what holds the object outside this loop.
+        while PyDict_Next(objects, &pos, &key, &value):
+            holders = 1
+            pinned = PyDict_GetItem(pins, <object>key)
+            if pinned == value:
+                holders += 1
+            h = <object>key
+            if pyalloc_refcount(value) <= holders:
+                dropped_handles.push_back(h)
+            else:
+                still_held.push_back(h)
+        lock_device(a)
+        try:
+            for h in still_held:       # dropped once, then taken up again (gc.get_referrers...)
+                forget_retiring_stream(a, h)
+            for h in dropped_handles:
+                it = a.retiring_streams.find(h)
+                if it == a.retiring_streams.end():
+                    try:
+                        a.retiring_streams[h] = take_recorded_event(a, h)
+                    except BaseException:
+                        # Not tried again (event 0): the object stays until empty_cache finds
+                        # no block of its stream, so one bad stream cannot fail every malloc.
+                        a.retiring_streams[h] = 0
+                        raise
+                elif deref(it).second != 0 and backend_of(a).event_query(deref(it).second):
+                    return_event(a, deref(it).second)
+                    a.retiring_streams.erase(it)
+                    a.allocation_streams_kept.erase(h)
+                    finished.push_back(h)
+        finally:
+            a.mutex.unlock()
+        for h in finished:
+            dropped.append(objects.pop(h, None))
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
+    return 0
+
+
+cdef int prune_stream_pins(DeviceState* a, object pins_lock, dict pins) except -1:
+    """Drop the record_stream pins (`pins`, handle -> stream object) that no block stream use
+    names any more."""
+    return drop_stream_objects(a, pins_lock, pins, mark_streams_without_uses)
+
+
+cdef int flush_deferred_blocks(DeviceState* a) except -1:
+    """Blocks freed with stream uses while a route was active: now that none is, record their
+    events (or free them when they wait for nothing)."""
+    cdef vector[Block*] blocks
+    blocks.swap(a.deferred_blocks)
+    a.deferred_released = 0
+    a.deferred_marked = 0             # the routes are over: no block is a reuse candidate now
+    cdef size_t i
+    try:
+        for i in range(blocks.size()):
+            if blocks[i] == NULL:
+                continue              # released during its capture
+            if not a.capture_uses.empty():
+                forget_capture_uses(a, blocks[i])
+            if blocks[i].stream_uses.empty():
+                free_completed(a, blocks[i])
+            else:
+                insert_events(a, blocks[i])
+    except BaseException:
+        for j in range(i, blocks.size()):
+            if blocks[j] != NULL:
+                a.deferred_blocks.push_back(blocks[j])
+        raise
+    return 0
+
+
+cdef int process_events(DeviceState* a) except -1:
+    """Free blocks whose events have all completed; polls each stream's events in order. Blocks
+    deferred while a route is active stay deferred until no route is."""
+    if not a.deferred_blocks.empty() and a.captures_underway.empty():
+        flush_deferred_blocks(a)
+    cdef EventQueues.iterator it = a.stream_events.begin()
+    cdef EventEntry front
+    while it != a.stream_events.end():
+        while not deref(it).second.empty():
+            front = deref(it).second.front()
+            if not backend_of(a).event_query(front.first):
+                break   # later events of this stream cannot be complete either
+            deref(it).second.pop_front()
+            event_done(a, front.first, front.second)
+        if deref(it).second.empty():
+            it = a.stream_events.erase(it)
+        else:
+            inc(it)
+    return 0
+
+
+cdef uintptr_t take_foreign_event(DeviceState* a, int device) except? 0:
+    """An idle event of device `device` (not this allocator's), made when none is pooled."""
+    cdef uintptr_t event
+    pool = a.foreign_event_pools.find(device)
+    if pool != a.foreign_event_pools.end() and not deref(pool).second.empty():
+        event = deref(pool).second.back()
+        deref(pool).second.pop_back()
+    else:
+        backend_of(a).event_create_on(device, &event)
+        a.foreign_event_devices[event] = device
+    return event
+
+
+cdef inline void return_event(DeviceState* a, uintptr_t event) noexcept:
+    """Put an idle event back in its device's pool."""
+    if not a.foreign_event_devices.empty():
+        it = a.foreign_event_devices.find(event)
+        if it != a.foreign_event_devices.end():
+            a.foreign_event_pools[deref(it).second].push_back(event)
+            return
+    a.event_pool.push_back(event)
+
+
+cdef inline void event_done(DeviceState* a, uintptr_t event, Block* b) noexcept:
+    return_event(a, event)
+    a.outstanding_events -= 1
+    b.event_count -= 1
+    if b.event_count == 0:
+        free_completed(a, b)
+
+
+cdef int synchronize_and_free_events(DeviceState* a) except -1:
+    """Wait for every outstanding event and free the blocks that were waiting on them."""
+    a.st.num_sync_all_streams += 1
+    if not a.deferred_blocks.empty():
+        flush_deferred_blocks(a)
+    cdef EventEntry front
+    cdef EventQueues.iterator it = a.stream_events.begin()
+    while it != a.stream_events.end():
+        while not deref(it).second.empty():
+            front = deref(it).second.front()
+            backend_of(a).event_synchronize(front.first)
+            deref(it).second.pop_front()
+            event_done(a, front.first, front.second)
+        it = a.stream_events.erase(it)
+    return 0

@@ -1,0 +1,12 @@
+# Private pools and routing (_routing.pyx), over the device state.
+from libc.stdint cimport uintptr_t
+
+from pyalloc._types cimport BlockPool, MempoolId, PrivatePool
+from pyalloc._device cimport DeviceState
+
+cdef PrivatePool* routed_pool(DeviceState* a, uintptr_t stream) except? NULL
+cdef Py_ssize_t find_route(DeviceState* a, MempoolId pid) noexcept
+cdef PrivatePool* create_or_incref_pool(DeviceState* a, MempoolId pid) except NULL
+cdef size_t pool_free_bytes(BlockPool* pool) noexcept
+cdef size_t private_cached(DeviceState* a) noexcept
+cdef size_t private_reserved(DeviceState* a) noexcept
