@@ -37,22 +37,21 @@ from pyalloc._types cimport likely, unlikely
 from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc,
                               kLargeBuffer, kRoundLarge, kSizeMax, kMaxRequest, round_size)
 from pyalloc._state cimport trace
-from pyalloc._expandable cimport try_allocate_expandable_block, mapped_bytes, free_segment_structs
+from pyalloc._expandable cimport free_segment_structs
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
-from pyalloc._device cimport (DeviceState, lock_device, routes_capture, stream_use_state,
-                              add_stream_use, make_room_for_use, USE_KNOWN, USE_NEEDS_MEMORY)
+from pyalloc._device cimport DeviceState, lock_device, routes_capture
 from pyalloc._hot cimport (allocator_malloc, allocator_free, lookup_allocated, malloc_cache_hit,
                            free_cache_hit, record_stream_cache_hit)
 from pyalloc._ladder cimport (policy_release_bytes, release_cached, release_pool,
-                              release_cached_segment, record_oom, stream_is_alive)
-from pyalloc._routing cimport find_route, create_or_incref_pool, private_cached, private_reserved
-from pyalloc._capture cimport (mark_captured_use, unmark_real_use, mark_last_use, forget_last_use,
-                               end_capture_marks)
-from pyalloc._events cimport (destroy_events, process_events, flush_deferred_blocks,
-                              release_allocation_streams, reap_dropped_streams, prune_stream_pins)
+                              release_cached_segment, grow_expandable)
+from pyalloc._routing cimport (create_or_incref_pool, private_cached, private_reserved, begin_route,
+                               end_route)
+from pyalloc._events cimport (destroy_events, process_events, release_allocation_streams,
+                              reap_dropped_streams, prune_stream_pins, record_use)
 from pyalloc._introspect cimport (collect_blocks, check_invariants, memory_stats, segments,
                                   reset_peak_memory_stats, reset_accumulated_memory_stats,
-                                  set_history, history_entries, live_bytes_by_metadata)
+                                  set_history, history_entries, live_bytes_by_metadata, pool_info,
+                                  private_pool_ids, expandable_segment_sizes)
 from pyalloc._introspect import STAT_NAMES, POOL_NAMES, TRACE_ACTIONS
 from pyalloc.errors import OutOfMemoryError, format_bytes, OwnedByBufferError
 
@@ -452,31 +451,11 @@ cdef class DeviceCachingAllocator:
             return
         if last_use is not True and last_use is not False:
             raise TypeError(f"last_use must be True or False, got {type(last_use).__name__} {last_use!r}")
-        cdef Block* b
-        cdef int use
-        cdef bint pin = False
-        cdef bint is_object = type(stream) is not int and stream is not None
+        cdef bint pin
         lock_device(&self.d)
         try:
-            b = lookup_allocated(&self.d, p)
-            use = stream_use_state(&self.d, b, s)
-            if use != USE_KNOWN:
-                if not stream_is_alive(&self.d, s):
-                    raise ValueError(f"stream {s} was destroyed: record_stream needs a live stream "
-                                     f"(the block's free records an event there)")
-                if use == USE_NEEDS_MEMORY:
-                    make_room_for_use(&self.d, b, s)
-                add_stream_use(&self.d, b, s)
-                pin = is_object
-                if self.d.capture_routes:
-                    mark_captured_use(&self.d, b, s)
-            elif self.d.capture_routes or not self.d.capture_uses.empty():
-                unmark_real_use(&self.d, b, s)
-            if self.d.capture_routes:
-                if last_use:
-                    mark_last_use(&self.d, b, s)
-                elif not self.d.capture_uses.empty():
-                    forget_last_use(&self.d, b, s)
+            pin = record_use(&self.d, lookup_allocated(&self.d, p), s, last_use) and (
+                type(stream) is not int and stream is not None)
         finally:
             self.d.mutex.unlock()
         if pin:
@@ -604,13 +583,7 @@ cdef class DeviceCachingAllocator:
         route.value = filter[1]
         lock_device(&self.d)
         try:
-            if find_route(&self.d, pid) >= 0:
-                    raise RuntimeError(
-                        f"beginAllocateToPool: already recording to mempool_id {tuple(pool_id)}")
-            route.pool = create_or_incref_pool(&self.d, pid)
-            self.d.captures_underway.push_back(route)
-            if route.kind == ROUTE_CAPTURE:
-                self.d.capture_routes += 1
+            begin_route(&self.d, route)
         finally:
             self.d.mutex.unlock()
 
@@ -620,28 +593,9 @@ cdef class DeviceCachingAllocator:
         RuntimeError if it is not routed (PyTorch: "endAllocatePool: not currently recording to
         mempool_id")."""
         cdef MempoolId pid = pool_id_of(pool_id)
-        cdef Py_ssize_t i
-        cdef Route route
         lock_device(&self.d)
         try:
-            i = find_route(&self.d, pid)
-            if i >= 0:
-                route = self.d.captures_underway[i]
-                if route.kind == ROUTE_CAPTURE:
-                    # The capture is over: its reachability cache goes; blocks still deferred
-                    # wait for the post-capture path (events once no route is active).
-                    self.d.reuse_contexts.erase(route.value)
-                    self.d.capture_routes -= 1
-                self.d.captures_underway.erase(self.d.captures_underway.begin() + i)
-                if self.d.captures_underway.empty() and not self.d.deferred_blocks.empty():
-                    # No route is left: deferred blocks get their events now (PyTorch does this
-                    # at the next malloc), so the cache-hit path checks one counter, not two.
-                    flush_deferred_blocks(&self.d)
-                if route.kind == ROUTE_CAPTURE and not self.d.capture_uses.empty():
-                    end_capture_marks(&self.d, route.value)
-            else:
-                raise RuntimeError(
-                    f"endAllocatePool: not currently recording to mempool_id {tuple(pool_id)}")
+            end_route(&self.d, pid)
         finally:
             self.d.mutex.unlock()
 
@@ -662,40 +616,11 @@ cdef class DeviceCachingAllocator:
     def _pool_info(self, pool_id):
         """A private pool's state as a dict (use_count, device_allocations, reserved_bytes,
         use_on_oom, no_split, routed), or None when the allocator has no such pool."""
-        cdef MempoolId pid = pool_id_of(pool_id)
-        cdef PrivatePool* pool
-        cdef bint found, routed = False
-        cdef int use_count = 0
-        cdef int64_t device_allocations = 0, reserved_bytes = 0
-        cdef bint use_on_oom = False, no_split = False
-        lock_device(&self.d)        # copied under the lock, read after it (see copy_segments)
-        it = self.d.graph_pools.find(pid)
-        found = it != self.d.graph_pools.end()
-        if found:
-            pool = deref(it).second
-            use_count = pool.use_count
-            device_allocations = pool.device_allocations
-            reserved_bytes = pool.reserved_bytes
-            use_on_oom = pool.use_on_oom
-            no_split = pool.no_split
-            routed = find_route(&self.d, pid) >= 0
-        self.d.mutex.unlock()
-        if not found:
-            return None
-        return {"use_count": use_count, "device_allocations": device_allocations,
-                "reserved_bytes": reserved_bytes, "use_on_oom": use_on_oom,
-                "no_split": no_split, "routed": routed}
+        return pool_info(&self.d, pool_id_of(pool_id))
 
     def _private_pool_ids(self):
         """Ids of every private pool the allocator holds, freeable ones included."""
-        cdef pair[MempoolId, PrivatePool*] entry
-        cdef vector[MempoolId] ids
-        cdef MempoolId pid
-        lock_device(&self.d)        # copied under the lock, read after it (see copy_segments)
-        for entry in self.d.graph_pools:
-            ids.push_back(entry.first)
-        self.d.mutex.unlock()
-        return [(pid.first, pid.second) for pid in ids]
+        return private_pool_ids(&self.d)
 
     def _capture_stats(self):
         """Counters of the in-capture reuse walk: nodes_expanded (graph nodes whose parents were
@@ -717,17 +642,7 @@ cdef class DeviceCachingAllocator:
     def expandable_segment_sizes(self):
         """One (stream, is_small_pool, mapped_bytes) per live expandable segment, default stream
         included (PyTorch's getExpandableSegmentSizes skips it). Bytes are currently mapped bytes."""
-        cdef vector[uintptr_t] streams
-        cdef vector[size_t] mapped
-        cdef vector[int] small
-        cdef size_t i
-        lock_device(&self.d)        # copied under the lock, read after it (see copy_segments)
-        for seg in self.d.st.expandable_segments:
-            streams.push_back(seg.stream)
-            small.push_back(seg.pool.is_small)
-            mapped.push_back(seg.mapped)
-        self.d.mutex.unlock()
-        return [(streams[i], bool(small[i]), mapped[i]) for i in range(streams.size())]
+        return expandable_segment_sizes(&self.d)
 
     def warm_up(self, sizes):
         """Map memory ahead of time: `sizes` is a list like expandable_segment_sizes() returns.
@@ -745,26 +660,15 @@ cdef class DeviceCachingAllocator:
             except (TypeError, ValueError):
                 raise TypeError(f"warm_up expects (stream, is_small_pool, bytes) tuples, got {entry!r}") from None
             plan.append((stream_handle(stream), bool(is_small), request_size(nbytes)))
-        cdef Block* b
-        cdef BlockPool* pool
-        cdef size_t have
+        cdef size_t missing
         for stream, is_small, nbytes in plan:
-            pool = self.d.small_blocks if is_small else self.d.large_blocks
             lock_device(&self.d)
             try:
-                have = mapped_bytes(&self.d.st, pool, stream)
-                rc = 0
-                if nbytes > have:
-                    rc = try_allocate_expandable_block(&self.d.st, self.backend, pool, stream,
-                                                       nbytes - have, &b)
-                    if rc == BACKEND_OOM:
-                        record_oom(&self.d, nbytes - have, nbytes - have, stream, 0)
-                    else:
-                        pool.blocks.insert(b)
+                missing = grow_expandable(&self.d, is_small, stream, nbytes)
             finally:
                 self.d.mutex.unlock()
-            if rc == BACKEND_OOM:
-                raise_out_of_memory(self, nbytes - have)
+            if missing:
+                raise_out_of_memory(self, missing)
 
     # ------------------------------------------------------------------------- stats
 

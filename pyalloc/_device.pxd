@@ -76,6 +76,15 @@ cdef inline void lock_device(DeviceState* a) noexcept:
             a.mutex.lock()
 
 
+cdef inline Py_ssize_t find_route(DeviceState* a, MempoolId pid) noexcept:
+    """Index of the route into `pid` in captures_underway, or -1."""
+    cdef size_t i
+    for i in range(a.captures_underway.size()):
+        if a.captures_underway[i].id == pid:
+            return i
+    return -1
+
+
 cdef inline bint routes_capture(DeviceState* a, unsigned long long capture_id) noexcept:
     """Whether a route sends the allocations of capture `capture_id` to a private pool."""
     for r in a.captures_underway:

@@ -17,8 +17,11 @@ from cpython.dict cimport PyDict_Next, PyDict_GetItem
 
 from pyalloc._types cimport Block
 from pyalloc._device cimport (DeviceState, EventEntry, EventQueues, backend_of, lock_device,
-                              forget_stream_uses, free_completed)
-from pyalloc._capture cimport forget_capture_uses
+                              forget_stream_uses, free_completed, stream_use_state, add_stream_use,
+                              make_room_for_use, USE_KNOWN, USE_NEEDS_MEMORY)
+from pyalloc._capture cimport (forget_capture_uses, mark_captured_use, unmark_real_use, mark_last_use,
+                               forget_last_use)
+from pyalloc.errors import CudaError
 from pyalloc._introspect cimport collect_blocks
 
 
@@ -352,3 +355,39 @@ cdef int synchronize_and_free_events(DeviceState* a) except -1:
             event_done(a, front.first, front.second)
         it = a.stream_events.erase(it)
     return 0
+
+
+# ------------------------------------------------------------------------------- stream uses
+
+cdef bint record_use(DeviceState* a, Block* b, uintptr_t s, bint last_use) except -1:
+    """record_stream's rule for live block `b` and stream `s` (lock held): True when a new use
+    was recorded (its stream object, if any, is then pinned). ValueError for a stream that is
+    not alive, nothing changed."""
+    cdef int use = stream_use_state(a, b, s)
+    cdef bint added = False
+    if use != USE_KNOWN:
+        if not stream_is_alive(a, s):
+            raise ValueError(f"stream {s} was destroyed: record_stream needs a live stream "
+                             f"(the block's free records an event there)")
+        if use == USE_NEEDS_MEMORY:
+            make_room_for_use(a, b, s)
+        add_stream_use(a, b, s)
+        added = True
+        if a.capture_routes:
+            mark_captured_use(a, b, s)
+    elif a.capture_routes or not a.capture_uses.empty():
+        unmark_real_use(a, b, s)
+    if a.capture_routes:
+        if last_use:
+            mark_last_use(a, b, s)
+        elif not a.capture_uses.empty():
+            forget_last_use(a, b, s)
+    return added
+
+
+cdef bint stream_is_alive(DeviceState* a, uintptr_t stream) except -1:
+    """Whether the backend says `stream` may be used; ValueError for a handle it never made."""
+    try:
+        return backend_of(a).stream_alive(stream) != 0
+    except CudaError as err:
+        raise ValueError(f"stream {stream} is not a stream the backend knows: {err}") from err

@@ -36,3 +36,6 @@ cdef int set_history(DeviceState* a, bint enabled, size_t max_entries, uint32_t 
                      bint clear) except -1
 cdef tuple history_entries(DeviceState* a)
 cdef dict live_bytes_by_metadata(DeviceState* a, bint requested)
+cdef object pool_info(DeviceState* a, MempoolId pid)
+cdef list private_pool_ids(DeviceState* a)
+cdef list expandable_segment_sizes(DeviceState* a)

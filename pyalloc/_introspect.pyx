@@ -21,7 +21,7 @@ from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool,
                              ST_ACTIVE_BYTES, ST_ALLOCATION, ST_REQUESTED_BYTES, ST_INACTIVE_SPLIT,
                              ST_INACTIVE_SPLIT_BYTES, ST_SEGMENT, ST_RESERVED_BYTES)
 from pyalloc._policy cimport kMinBlockSize, kSizeMax, is_free
-from pyalloc._device cimport DeviceState, lock_device
+from pyalloc._device cimport DeviceState, lock_device, find_route
 from pyalloc.errors import AlreadyFreedError, NotAllocatedError
 
 STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
@@ -402,3 +402,56 @@ cdef dict live_bytes_by_metadata(DeviceState* a, bint requested):
     finally:
         a.mutex.unlock()
     return {p.first: p.second for p in sums}
+
+
+cdef object pool_info(DeviceState* a, MempoolId pid):
+    """Private pool `pid`'s state as a dict, or None (see DeviceCachingAllocator._pool_info)."""
+    cdef PrivatePool* pool
+    cdef bint found, routed = False
+    cdef int use_count = 0
+    cdef int64_t device_allocations = 0, reserved_bytes = 0
+    cdef bint use_on_oom = False, no_split = False
+    lock_device(a)        # copied under the lock, read after it (see copy_segments)
+    it = a.graph_pools.find(pid)
+    found = it != a.graph_pools.end()
+    if found:
+        pool = deref(it).second
+        use_count = pool.use_count
+        device_allocations = pool.device_allocations
+        reserved_bytes = pool.reserved_bytes
+        use_on_oom = pool.use_on_oom
+        no_split = pool.no_split
+        routed = find_route(a, pid) >= 0
+    a.mutex.unlock()
+    if not found:
+        return None
+    return {"use_count": use_count, "device_allocations": device_allocations,
+            "reserved_bytes": reserved_bytes, "use_on_oom": use_on_oom,
+            "no_split": no_split, "routed": routed}
+
+
+cdef list private_pool_ids(DeviceState* a):
+    """Ids of every private pool, freeable ones included."""
+    cdef pair[MempoolId, PrivatePool*] entry
+    cdef vector[MempoolId] ids
+    cdef MempoolId pid
+    lock_device(a)        # copied under the lock, read after it (see copy_segments)
+    for entry in a.graph_pools:
+        ids.push_back(entry.first)
+    a.mutex.unlock()
+    return [(pid.first, pid.second) for pid in ids]
+
+
+cdef list expandable_segment_sizes(DeviceState* a):
+    """One (stream, is_small_pool, mapped_bytes) per live expandable segment."""
+    cdef vector[uintptr_t] streams
+    cdef vector[size_t] mapped
+    cdef vector[int] small
+    cdef size_t i
+    lock_device(a)        # copied under the lock, read after it (see copy_segments)
+    for seg in a.st.expandable_segments:
+        streams.push_back(seg.stream)
+        small.push_back(seg.pool.is_small)
+        mapped.push_back(seg.mapped)
+    a.mutex.unlock()
+    return [(streams[i], bool(small[i]), mapped[i]) for i in range(streams.size())]

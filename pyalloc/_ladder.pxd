@@ -14,4 +14,4 @@ cdef int release_cached_segment(DeviceState* a, uintptr_t ptr, size_t size,
                                 uintptr_t stream) except -1
 cdef int record_oom(DeviceState* a, size_t alloc_size, size_t rounded, uintptr_t stream,
                     uint32_t context_id) except -1
-cdef bint stream_is_alive(DeviceState* a, uintptr_t stream) except -1
+cdef size_t grow_expandable(DeviceState* a, bint is_small, uintptr_t stream, size_t nbytes) except? 0

@@ -22,11 +22,10 @@ from pyalloc._policy cimport (kSizeMax, round_size, is_small_request, segment_si
                               get_free_block, take_block, new_block, retire_block)
 from pyalloc._state cimport trace, commit_segment_alloc, commit_segment_free
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, expandable_growth_bytes,
-                                  whole_pages)
-from pyalloc._device cimport DeviceState, ReleaseCount, backend_of, lock_device, hand_out
-from pyalloc._routing cimport find_route, private_cached
-from pyalloc._events cimport synchronize_and_free_events
-from pyalloc.errors import CudaError
+                                  whole_pages, mapped_bytes)
+from pyalloc._device cimport DeviceState, ReleaseCount, backend_of, lock_device, hand_out, find_route
+from pyalloc._routing cimport private_cached
+from pyalloc._events cimport synchronize_and_free_events, stream_is_alive
 
 
 # ------------------------------------------------------------------------------- malloc's slow path
@@ -50,14 +49,6 @@ cdef int malloc_slow(DeviceState* a, BlockPool* pool, size_t orig_size, size_t s
         b.segment_context_id = context_id
     out[0] = hand_out(a, take_block(&a.st, b, cached, size), orig_size, metadata_id, context_id)
     return 0
-
-
-cdef bint stream_is_alive(DeviceState* a, uintptr_t stream) except -1:
-    """Whether the backend says `stream` may be used; ValueError for a handle it never made."""
-    try:
-        return backend_of(a).stream_alive(stream) != 0
-    except CudaError as err:
-        raise ValueError(f"stream {stream} is not a stream the backend knows: {err}") from err
 
 
 cdef int ladder(DeviceState* a, ReleaseCount* dry, BlockPool* pool, uintptr_t stream, size_t size,
@@ -402,6 +393,21 @@ cdef int release_cached(DeviceState* a) except -1:
 cdef int release_pool(DeviceState* a, MempoolId pid) except -1:
     """empty_cache(mempool_id): release that private pool's cached segments if it is freeable."""
     return release_private_pools(a, NULL, True, pid)
+
+
+cdef size_t grow_expandable(DeviceState* a, bint is_small, uintptr_t stream, size_t nbytes) except? 0:
+    """warm_up's step: grow `stream`'s expandable segment of the small or large default pool until
+    it has `nbytes` mapped. 0, or the bytes that could not be mapped (oom_* figures set)."""
+    cdef BlockPool* pool = a.small_blocks if is_small else a.large_blocks
+    cdef size_t have = mapped_bytes(&a.st, pool, stream)
+    cdef Block* b
+    if nbytes <= have:
+        return 0
+    if try_allocate_expandable_block(&a.st, backend_of(a), pool, stream, nbytes - have, &b) == BACKEND_OOM:
+        record_oom(a, nbytes - have, nbytes - have, stream, 0)
+        return nbytes - have
+    pool.blocks.insert(b)
+    return 0
 
 
 # ------------------------------------------------------------------------------- out of memory

@@ -13,7 +13,10 @@ from cython.operator cimport dereference as deref, preincrement as inc
 
 from pyalloc._types cimport BlockPool, BlockSet, MempoolId, PrivatePool, ROUTE_THREAD
 from pyalloc._types cimport current_thread_key as thread_key_now
-from pyalloc._device cimport DeviceState, backend_of
+from pyalloc._device cimport DeviceState, backend_of, find_route
+from pyalloc._types cimport Route, ROUTE_CAPTURE
+from pyalloc._capture cimport end_capture_marks
+from pyalloc._events cimport flush_deferred_blocks
 
 
 cdef PrivatePool* routed_pool(DeviceState* a, uintptr_t stream) except? NULL:
@@ -35,15 +38,6 @@ cdef PrivatePool* routed_pool(DeviceState* a, uintptr_t stream) except? NULL:
             if capturing and capture_id == a.captures_underway[i].value:
                 return a.captures_underway[i].pool
     return NULL
-
-
-cdef Py_ssize_t find_route(DeviceState* a, MempoolId pid) noexcept:
-    """Index of the route into `pid` in captures_underway, or -1."""
-    cdef size_t i
-    for i in range(a.captures_underway.size()):
-        if a.captures_underway[i].id == pid:
-            return i
-    return -1
 
 
 cdef PrivatePool* create_or_incref_pool(DeviceState* a, MempoolId pid) except NULL:
@@ -86,3 +80,38 @@ cdef size_t private_reserved(DeviceState* a) noexcept:
     for entry in a.graph_pools:
         total += entry.second.reserved_bytes
     return total
+
+
+cdef int begin_route(DeviceState* a, Route route) except -1:
+    """Route the allocations that pass `route`'s filter to its pool (created, or one more use);
+    RuntimeError when the pool is routed already."""
+    if find_route(a, route.id) >= 0:
+        raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id "
+                           f"{(route.id.first, route.id.second)}")
+    route.pool = create_or_incref_pool(a, route.id)
+    a.captures_underway.push_back(route)
+    if route.kind == ROUTE_CAPTURE:
+        a.capture_routes += 1
+    return 0
+
+
+cdef int end_route(DeviceState* a, MempoolId pid) except -1:
+    """Stop routing to `pid` (its use count stays); RuntimeError when it is not routed."""
+    cdef Py_ssize_t i = find_route(a, pid)
+    if i < 0:
+        raise RuntimeError(f"endAllocatePool: not currently recording to mempool_id "
+                           f"{(pid.first, pid.second)}")
+    cdef Route route = a.captures_underway[i]
+    if route.kind == ROUTE_CAPTURE:
+        # The capture is over: its reachability cache goes; blocks still deferred wait for the
+        # post-capture path (events once no route is active).
+        a.reuse_contexts.erase(route.value)
+        a.capture_routes -= 1
+    a.captures_underway.erase(a.captures_underway.begin() + i)
+    if a.captures_underway.empty() and not a.deferred_blocks.empty():
+        # No route is left: deferred blocks get their events now (PyTorch does this at the next
+        # malloc), so the cache-hit path checks one counter, not two.
+        flush_deferred_blocks(a)
+    if route.kind == ROUTE_CAPTURE and not a.capture_uses.empty():
+        end_capture_marks(a, route.value)
+    return 0

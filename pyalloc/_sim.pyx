@@ -142,6 +142,11 @@ cdef class SimDevice(Backend):
             recorded, and the allocator, which then calls check_handout for every block it hands
             out, gets ReuseError where a block may still be used by work not ordered before the
             receiving stream's next work (see check_handout).
+        any_stream: every stream handle is a live stream of this device (default False: only 0,
+            1, 2, the handles create_stream gave out and other devices' handles are; any other
+            is refused with CudaError INVALID_HANDLE, as the driver would, and the allocator's
+            slow path refuses it with ValueError). True for a replay, whose streams are the
+            recorded run's handles.
 
     Freeing a segment completes the work queued on every stream first, as cudaFree waits for the
     device before it returns memory (an address it hands out again is then safe to use).
@@ -166,7 +171,8 @@ cdef class SimDevice(Backend):
     cdef int _armed                                    # len(_failures): one test on each call
 
     def __init__(self, size_t total_memory=80 * GiB, *, int device=0, base_address=None,
-                 size_t alignment=2 * MiB, bint top_down=False, bint check_reuse=False):
+                 size_t alignment=2 * MiB, bint top_down=False, bint check_reuse=False,
+                 bint any_stream=False):
         if total_memory == 0:
             raise ValueError("total_memory must be a positive number of bytes, got 0")
         if alignment == 0 or (alignment & (alignment - 1)) != 0:
@@ -179,6 +185,7 @@ cdef class SimDevice(Backend):
         self._mem = AddressSpace(total_memory, base_address, alignment, top_down, self._mem)
         self.checks_reuse = check_reuse
         self._st = Streams(device, check_reuse)
+        self._st.any_handle = any_stream
         self._cap = Captures(self._st)
         self._failures = {}
         self._armed = 0

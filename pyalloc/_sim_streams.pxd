@@ -44,6 +44,7 @@ cdef class Streams:
     cdef unordered_map[uintptr_t, EventState] events
     cdef uintptr_t next_stream
     cdef uintptr_t first_stream                # the first handle create gives out
+    cdef bint any_handle                       # SimDevice(any_stream=True): every handle is known
     cdef unordered_set[uintptr_t] destroyed    # handles destroyed and not handed out again
     cdef vector[uintptr_t] reusable            # the same, most recently destroyed last
     cdef uintptr_t next_orphan                 # internal handles of destroyed streams' work

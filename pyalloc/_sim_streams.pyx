@@ -163,7 +163,7 @@ cdef class Streams:
         """CudaError INVALID_HANDLE for a handle of this device that create_stream never gave
         out (0, 1 and 2, the legacy and per-thread handles, are always valid; streams of other
         devices are theirs to know; internal orphan handles are not a caller's)."""
-        if stream <= 2 or stream >= ORPHAN_STREAMS:
+        if stream <= 2 or stream >= ORPHAN_STREAMS or self.any_handle:
             return 0
         cdef uintptr_t first = self.first_stream
         if first <= stream < self.next_stream or self.stream_device(stream) != self.device:

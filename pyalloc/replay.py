@@ -474,7 +474,7 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     # The clock covers everything after the pickle is loaded, reading the events included.
     started = time.perf_counter()
     # Fresh segments go top-down: best fit's address tie-breaks then match PyTorch's runs.
-    sim = SimDevice(device_memory, device=device, top_down=placement == "fresh")
+    sim = SimDevice(device_memory, device=device, top_down=placement == "fresh", any_stream=True)
     if placement == "recorded" or check:
         trace.check()
     if placement == "recorded":

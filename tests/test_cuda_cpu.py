@@ -38,8 +38,10 @@ def run_python(code, **env):
 
 
 def sim_factory(device):
-    """A 1 GiB simulated device with its own address range (pointers name their device, as on CUDA)."""
-    return pyalloc.SimDevice(GiB, device=device, base_address=0x7F0000000000 + device * (1 << 40))
+    """A 1 GiB simulated device with its own address range (pointers name their device, as on CUDA),
+    taking any stream handle (any_stream: the stand-in frameworks' streams are made-up handles)."""
+    return pyalloc.SimDevice(GiB, device=device, base_address=0x7F0000000000 + device * (1 << 40),
+                             any_stream=True)
 
 
 @pytest.fixture

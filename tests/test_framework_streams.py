@@ -105,7 +105,8 @@ ACCEPTED = [
 
 def allocation_stream(stream):
     """The stream of the block malloc(stream=stream) hands out, as the allocator records it."""
-    alloc = pyalloc.CachingAllocator(backend=pyalloc.SimDevice(64 << 20))
+    # any_stream: the handles here are made up; the allocator refuses a handle the device never made
+    alloc = pyalloc.CachingAllocator(backend=pyalloc.SimDevice(64 << 20, any_stream=True))
     ptr = alloc.malloc(4096, stream=stream)
     return [seg["stream"] for seg in alloc._segments() if seg["address"] <= ptr < seg["address"] + seg["total_size"]][0]
 

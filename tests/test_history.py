@@ -133,9 +133,10 @@ def test_default_max_entries_is_documented_value():
 
 def test_alloc_entry_has_address_requested_size_and_stream():
     alloc = make_allocator()
-    ptr = alloc.malloc(1000, stream=7)
+    stream = alloc.backend.create_stream()
+    ptr = alloc.malloc(1000, stream=stream)
     e = trace(alloc)[-1]
-    assert (e["action"], e["addr"], e["size"], e["stream"]) == ("alloc", ptr, 1000, 7)
+    assert (e["action"], e["addr"], e["size"], e["stream"]) == ("alloc", ptr, 1000, stream)
 
 
 def test_new_segment_is_recorded_before_the_allocation_it_serves():
@@ -199,15 +200,16 @@ def test_expandable_segments_record_segment_map_and_unmap():
 def test_oom_entry_has_device_free_bytes_and_rounded_request():
     alloc = make_allocator(total_memory=64 * MiB)
     keep = alloc.malloc(30 * MiB)
+    stream = alloc.backend.create_stream()
     with pytest.raises(OutOfMemoryError):
-        alloc.malloc(40 * MiB + 1, stream=3)
+        alloc.malloc(40 * MiB + 1, stream=stream)
     e = trace(alloc)[-1]
     assert e["action"] == "oom"
     assert "addr" not in e
     free_now, _total = alloc.backend.mem_get_info()
     assert e["device_free"] == free_now == 64 * MiB - 30 * MiB
     assert e["size"] == alloc.round_size(40 * MiB + 1) == 40 * MiB + 512
-    assert e["stream"] == 3
+    assert e["stream"] == stream
     assert keep
 
 

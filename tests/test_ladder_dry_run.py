@@ -81,3 +81,20 @@ def test_dry_run_is_exact_on_long_random_programs(config):
             op = "free" if r < 0.45 else "empty" if r < 0.48 else "malloc"
             ops.append((op, int(256 * (64 * MiB / 256) ** (rng.random() ** 2)), rng.randrange(1 << 30)))
         assert run_program(config, rng.choice([96, 160, 256, 512]), rng.choice([None, 0.5, 0.9]), ops) == []
+
+
+def test_dry_run_counts_the_freeable_private_pools_the_flush_releases():
+    """The full flush also releases the cached segments of private pools nothing uses any more:
+    the dry run counts them (it once looked at the default pools only)."""
+    from pyalloc._core import current_thread_key
+    sim = SimDevice(64 * MiB)
+    alloc = CachingAllocator(backend=sim, config="")
+    pool = (0, 12345)
+    alloc.begin_allocate_to_pool(pool, ("thread", current_thread_key()))      # the pool's one use
+    in_pool = alloc.malloc(20 * MiB)
+    alloc.end_allocate_to_pool(pool)
+    alloc.free(in_pool)
+    alloc.release_pool(pool)            # freeable: its cached 20 MiB segment goes at the next flush
+    held = alloc.malloc(40 * MiB)       # the device has 4 MiB left
+    dry, real, ptr = released_in_malloc(alloc, 20 * MiB, 0)
+    assert (dry, real) == (20 * MiB, 20 * MiB) and ptr is not None and held

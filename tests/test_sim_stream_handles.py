@@ -58,6 +58,36 @@ def test_streams_of_other_devices_are_not_refused():
 def test_with_the_sanitizer_malloc_on_a_handle_never_made_is_refused():
     sim = SimDevice(check_reuse=True)
     a = CachingAllocator(backend=sim, config="")
-    a.free(a.malloc(10))                    # cached: the next malloc makes no backend call
-    with pytest.raises(CudaError, match="stream 99999 was never created"):
+    a.free(a.malloc(10))                    # cached, but on stream 0: a miss, which asks the backend
+    with pytest.raises(ValueError, match="stream 99999 was never created"):
         a.malloc(10, stream=99999)
+
+
+def test_a_cache_miss_on_a_handle_never_made_is_refused_and_changes_nothing():
+    sim = SimDevice()
+    a = CachingAllocator(backend=sim, config="")
+    a.free(a.malloc(10))
+    before = a.memory_stats()
+    with pytest.raises(ValueError, match="stream 99999"):
+        a.malloc(10, stream=99999)
+    assert a.memory_stats() == before and len(sim.segments()) == 1
+    a._check_invariants()
+
+
+def test_a_cache_miss_on_a_destroyed_stream_is_refused():
+    sim = SimDevice()
+    a = CachingAllocator(backend=sim, config="")
+    s = sim.create_stream()
+    sim.destroy_stream(s)
+    with pytest.raises(ValueError, match=f"stream {s} was destroyed"):
+        a.malloc(10, stream=s)
+    assert a.memory_reserved() == 0
+
+
+def test_a_cache_hit_does_not_ask_whether_its_stream_is_alive():
+    sim = SimDevice()
+    a = CachingAllocator(backend=sim, config="")
+    s = sim.create_stream()
+    a.free(a.malloc(10, stream=s))
+    sim.destroy_stream(s)               # its handle is dead; the cached block is still keyed by it
+    a.free(a.malloc(10, stream=s))      # served from the cache: no backend call, no refusal
