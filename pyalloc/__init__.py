@@ -52,7 +52,8 @@ def _not_built(exc):
 
 
 try:
-    from pyalloc._core import Buffer, get_memory_metadata, set_memory_metadata
+    from pyalloc._buffer import Buffer
+    from pyalloc._core import get_memory_metadata, set_memory_metadata
     from pyalloc._sim import SimDevice
 except ModuleNotFoundError as _exc:
     _err = _not_built(_exc)

@@ -36,16 +36,12 @@ cdef class DeviceCachingAllocator:
     cdef size_t policy_release_bytes(self, size_t size, uintptr_t stream) except? 0
     cdef int release_cached_segment(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1
     cdef raise_oom(self, size_t requested)
+    # For Buffer (_buffer.pyx): a block only its Buffer may free, and that free.
+    cdef Block* allocate_owned(self, size_t size, uintptr_t stream) except? NULL
+    cdef int free_owned(self, uintptr_t ptr, bint in_dealloc) except -1
     cdef int free_pointer(self, uintptr_t ptr) except -1
     cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1
     cdef bint routes_capture(self, unsigned long long capture_id) noexcept
-
-
-cdef class Buffer:
-    cdef readonly uintptr_t ptr
-    cdef readonly size_t size
-    cdef readonly uintptr_t stream
-    cdef readonly DeviceCachingAllocator allocator
 
 
 cdef inline object address_object(Block* b):

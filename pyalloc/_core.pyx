@@ -37,23 +37,23 @@ from pyalloc._types cimport likely, unlikely
 from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLargeAlloc,
                               kLargeBuffer, kRoundLarge, kSizeMax, kMaxRequest, round_size)
 from pyalloc._state cimport trace
-from pyalloc._expandable cimport free_segment_structs
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
 from pyalloc._device cimport DeviceState, lock_device, routes_capture
 from pyalloc._hot cimport (allocator_malloc, allocator_free, lookup_allocated, malloc_cache_hit,
                            free_cache_hit, record_stream_cache_hit)
 from pyalloc._ladder cimport (policy_release_bytes, release_cached, release_pool,
-                              release_cached_segment, grow_expandable)
+                              release_cached_segment, grow_expandable, raise_oom_error)
 from pyalloc._routing cimport (create_or_incref_pool, private_cached, private_reserved, begin_route,
                                end_route)
 from pyalloc._events cimport (destroy_events, process_events, release_allocation_streams,
-                              reap_dropped_streams, prune_stream_pins, record_use)
-from pyalloc._introspect cimport (collect_blocks, check_invariants, memory_stats, segments,
+                              reap_dropped_streams, prune_stream_pins, record_use,
+                              keep_allocation_stream)
+from pyalloc._introspect cimport (free_host_memory, check_invariants, memory_stats, segments,
                                   reset_peak_memory_stats, reset_accumulated_memory_stats,
                                   set_history, history_entries, live_bytes_by_metadata, pool_info,
                                   private_pool_ids, expandable_segment_sizes)
 from pyalloc._introspect import STAT_NAMES, POOL_NAMES, TRACE_ACTIONS
-from pyalloc.errors import OutOfMemoryError, format_bytes, OwnedByBufferError
+from pyalloc.errors import OwnedByBufferError
 
 
 MIN_BLOCK_SIZE = kMinBlockSize
@@ -202,9 +202,6 @@ cdef class DeviceCachingAllocator:
     def __dealloc__(self):
         # Segments still held are not returned: the backend may be gone at interpreter exit, and
         # a device context's teardown reclaims them. Only host-side structures are freed here.
-        cdef vector[Block*] blocks
-        cdef Block* b
-        cdef pair[MempoolId, PrivatePool*] entry
         if not pyalloc_is_finalizing():
             # Events are driver objects of the backend's context: give them back (at interpreter
             # exit the context's teardown reclaims them, as it does the segments).
@@ -214,20 +211,7 @@ cdef class DeviceCachingAllocator:
                 # CudaError or a closed CudaDevice: the context that owned them is gone and took
                 # them with it; a destructor has no caller to report to.
                 pass
-        collect_blocks(&self.d, &blocks)
-        for b in blocks:
-            Py_XDECREF(<PyObject*>b.py_address)
-            del b
-        for b in self.d.st.spare_blocks:
-            Py_XDECREF(<PyObject*>b.py_address)
-            del b
-        self.d.st.spare_blocks.clear()
-        free_segment_structs(&self.d.st)
-        for entry in self.d.graph_pools:
-            del entry.second
-        self.d.graph_pools.clear()
-        del self.d.large_blocks
-        del self.d.small_blocks
+        free_host_memory(&self.d)
 
     @property
     def capture_alloc_stacks(self):
@@ -288,23 +272,23 @@ cdef class DeviceCachingAllocator:
         (reap_dropped_streams, run here when the stream is new: callers keep a stream before
         allocating for it, so that a failure there allocates nothing). (Stream 0 never dies;
         keeping an object of the other never-dying handles, CUDA's 1 and 2, costs nothing.)"""
-        if stream == 0:
-            return 0
-        cdef bint kept
-        lock_device(&self.d)
-        kept = self.d.allocation_streams_kept.count(stream) != 0
-        if not kept:
-            self.d.allocation_streams_kept.insert(stream)
-        self.d.mutex.unlock()
-        if not kept:
-            with self.pins_lock:
-                self.allocation_stream_objects[stream] = stream_object
-            # A new stream: the program may be making streams and dropping them (CuPy destroys a
-            # stream when its object dies), so let go of the ones it has dropped.
-            if len(self.allocation_stream_objects) > 1:
-                reap_dropped_streams(&self.d, self.pins_lock, self.allocation_stream_objects,
-                                     self.stream_pins)
-        return 0
+        return keep_allocation_stream(&self.d, self.pins_lock, self.allocation_stream_objects,
+                                      self.stream_pins, stream, stream_object)
+
+    cdef Block* allocate_owned(self, size_t size, uintptr_t stream) except? NULL:
+        """A block for a Buffer (NULL for 0 bytes): only that Buffer may free it."""
+        cdef Block* b = allocate_block(self, size, stream)
+        if b != NULL:
+            lock_device(&self.d)
+            b.buffer_owned = True          # only the Buffer frees it (free(ptr) raises)
+            self.d.mutex.unlock()
+        return b
+
+    cdef int free_owned(self, uintptr_t ptr, bint in_dealloc) except -1:
+        """A Buffer frees its block (`in_dealloc`: from its __dealloc__)."""
+        if in_dealloc:
+            return release_pointer_in_dealloc(self, ptr)
+        return release_pointer(self, ptr, True)
 
     cdef raise_oom(self, size_t requested):
         raise_out_of_memory(self, requested)
@@ -917,29 +901,8 @@ cdef inline int release_pointer_in_dealloc(DeviceCachingAllocator a, uintptr_t p
 
 
 cdef raise_out_of_memory(DeviceCachingAllocator a, size_t requested):
-    """Call the OOM observers, then raise OutOfMemoryError with PyTorch's figures (lock not held)."""
-    allocated = a.d.st.stats[ST_ALLOCATED_BYTES].all_current
-    reserved = a.d.st.stats[ST_RESERVED_BYTES].all_current
-    private = a.d.oom_private
-    capped = a.d.st.settings.allowed_memory_maximum != kSizeMax
-    allowed = a.d.st.settings.allowed_memory_maximum if capped else None
-    for observer in list(a.oom_observers or ()):      # None once the collector cleared it
-        observer(a.backend.device, a.d.oom_alloc_size, allowed if capped else a.d.oom_total, a.d.oom_free)
-    limit = f"{format_bytes(allowed)} allowed; " if capped else ""
-    in_private = (f"with {format_bytes(private)} allocated in private pools (e.g., CUDA Graphs), "
-                  if private else "")
-    raise OutOfMemoryError(
-        f"CUDA out of memory. Tried to allocate {format_bytes(a.d.oom_alloc_size)}. "
-        f"GPU {a.backend.device} has a total capacity of {format_bytes(a.d.oom_total)} of which "
-        f"{format_bytes(a.d.oom_free)} is free. {limit}Of the allocated memory "
-        f"{format_bytes(allocated + private)} is allocated by pyalloc, {in_private}and "
-        f"{format_bytes(reserved - allocated - private)} is reserved by pyalloc but unallocated. "
-        "If reserved but unallocated memory is large try setting "
-        "PYALLOC_CONF=expandable_segments:True (or PYTORCH_CUDA_ALLOC_CONF) to avoid "
-        "fragmentation; `pyalloc tune` on a memory snapshot ranks every setting.",
-        requested=requested, segment_size=a.d.oom_alloc_size, device=a.backend.device,
-        total=a.d.oom_total, free=a.d.oom_free, allocated=allocated,
-        reserved_unallocated=reserved - allocated - private, allowed=allowed)
+    """Call the OOM observers, then raise OutOfMemoryError (lock not held)."""
+    raise_oom_error(&a.d, a.oom_observers, a.backend.device, requested)
 
 
 # half (the GIL, the ordinary path, errors kept per thread), which _capi registers at import.
@@ -1018,93 +981,3 @@ cdef int entry_record_stream(int device, uintptr_t ptr, uintptr_t stream) noexce
         if a != NULL and record_stream_cache_hit(&(<DeviceCachingAllocator>a).d, ptr, stream):
             return PYALLOC_OK
     return record_stream_slow_half(device, ptr, stream)
-
-
-
-# no_gc_clear: when a Buffer is freed as part of a garbage cycle, the collector must not clear
-# its allocator reference first, or __dealloc__ could not return the memory (it would leak).
-@cython.no_gc_clear
-@cython.auto_pickle(False)  # a pickled or copied Buffer would be a second owner of its block
-@cython.freelist(64)        # one per CuPy allocation: reuse the object memory
-cdef class Buffer:
-    """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
-
-    Attributes: ptr (device address), size (bytes requested), stream (handle), device (ordinal).
-
-    A Buffer is the one owner of its block: it cannot be copied or pickled (TypeError), and
-    __init__ runs once (RuntimeError on a second call, which leaves the Buffer as it was).
-    """
-    # (attributes declared in _core.pxd)
-
-    def __init__(self, DeviceCachingAllocator allocator not None, nbytes, stream=0):
-        if self.allocator is not None:
-            # Refused rather than freeing the first block: whoever holds its pointer (a CuPy
-            # array, a kernel argument) would then use freed memory without being told.
-            raise RuntimeError(
-                f"Buffer.__init__ runs once: this Buffer already owns {self.size} bytes at "
-                f"{self.ptr:#x}; make a new Buffer instead")
-        cdef size_t size = request_size(nbytes)
-        cdef uintptr_t handle = stream_handle(stream)
-        if size != 0 and type(stream) is not int and handle != 0 and stream is not None:
-            allocator.keep_allocation_stream(handle, stream)     # before: as malloc does
-        cdef Block* b = allocate_block(allocator, size, handle)
-        if b != NULL:
-            lock_device(&allocator.d)
-            b.buffer_owned = True          # only this Buffer frees it (free(ptr) raises)
-            allocator.d.mutex.unlock()
-        self.allocator = allocator
-        self.size = size
-        self.stream = handle
-        self.ptr = b.ptr if b != NULL else 0
-
-    @property
-    def device(self):
-        """The ordinal of the device the memory is on."""
-        if self.allocator is None:
-            raise RuntimeError("this Buffer was never initialised (made by Buffer.__new__ without "
-                               "__init__): it owns no memory and has no device")
-        return self.allocator.backend.device
-
-    @property
-    def closed(self):
-        return self.ptr == 0 and self.size != 0
-
-    def close(self):
-        """Free the memory now. Closing twice is harmless."""
-        cdef uintptr_t p = self.ptr
-        if p:
-            self.ptr = 0
-            try:
-                release_pointer(self.allocator, p, True)
-            except BaseException:
-                self.ptr = p               # not freed: the Buffer still owns the block
-                raise
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __int__(self):
-        return self.ptr
-
-    def __reduce__(self):
-        raise TypeError("a Buffer owns its device memory: it cannot be pickled or copied (the copy "
-                        "would free the same block a second time)")
-
-    def __copy__(self):
-        self.__reduce__()
-
-    def __deepcopy__(self, memo):
-        self.__reduce__()
-
-    def __repr__(self):
-        if self.allocator is None:
-            return "Buffer(uninitialised)"
-        return (f"Buffer(ptr={self.ptr:#x}, size={self.size}, stream={self.stream}, "
-                f"device={self.device})")
-
-    def __dealloc__(self):
-        if self.ptr and self.allocator is not None:
-            release_pointer_in_dealloc(self.allocator, self.ptr)

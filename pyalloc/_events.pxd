@@ -18,3 +18,5 @@ cdef int reap_dropped_streams(DeviceState* a, object pins_lock, dict objects, di
 cdef int prune_stream_pins(DeviceState* a, object pins_lock, dict pins) except -1
 cdef bint record_use(DeviceState* a, Block* b, uintptr_t s, bint last_use) except -1
 cdef bint stream_is_alive(DeviceState* a, uintptr_t stream) except -1
+cdef int keep_allocation_stream(DeviceState* a, object pins_lock, dict objects, dict pins,
+                                uintptr_t stream, object stream_object) except -1

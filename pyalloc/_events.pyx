@@ -391,3 +391,25 @@ cdef bint stream_is_alive(DeviceState* a, uintptr_t stream) except -1:
         return backend_of(a).stream_alive(stream) != 0
     except CudaError as err:
         raise ValueError(f"stream {stream} is not a stream the backend knows: {err}") from err
+
+
+cdef int keep_allocation_stream(DeviceState* a, object pins_lock, dict objects, dict pins,
+                                uintptr_t stream, object stream_object) except -1:
+    """DeviceCachingAllocator.keep_allocation_stream: keep `stream_object` in `objects` while
+    blocks of `stream` may be cached (`pins`: the record_stream pins, see reap_dropped_streams)."""
+    if stream == 0:
+        return 0
+    cdef bint kept
+    lock_device(a)
+    kept = a.allocation_streams_kept.count(stream) != 0
+    if not kept:
+        a.allocation_streams_kept.insert(stream)
+    a.mutex.unlock()
+    if not kept:
+        with pins_lock:
+            objects[stream] = stream_object
+        # A new stream: the program may be making streams and dropping them (CuPy destroys a
+        # stream when its object dies), so let go of the ones it has dropped.
+        if len(objects) > 1:
+            reap_dropped_streams(a, pins_lock, objects, pins)
+    return 0

@@ -13,7 +13,8 @@ from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsul
 
 from pyalloc._types cimport Block
 from pyalloc._backend cimport BACKEND_OOM
-from pyalloc._core cimport DeviceCachingAllocator, Buffer, address_object
+from pyalloc._core cimport DeviceCachingAllocator, address_object
+from pyalloc._buffer cimport Buffer
 from pyalloc._validate cimport stream_handle, request_size, device_pointer
 from pyalloc.errors import CudaError, OutOfMemoryError
 

@@ -39,3 +39,4 @@ cdef dict live_bytes_by_metadata(DeviceState* a, bint requested)
 cdef object pool_info(DeviceState* a, MempoolId pid)
 cdef list private_pool_ids(DeviceState* a)
 cdef list expandable_segment_sizes(DeviceState* a)
+cdef void free_host_memory(DeviceState* a) noexcept

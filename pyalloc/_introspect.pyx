@@ -22,6 +22,9 @@ from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool,
                              ST_INACTIVE_SPLIT_BYTES, ST_SEGMENT, ST_RESERVED_BYTES)
 from pyalloc._policy cimport kMinBlockSize, kSizeMax, is_free
 from pyalloc._device cimport DeviceState, lock_device, find_route
+from pyalloc._expandable cimport free_segment_structs
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_XDECREF
 from pyalloc.errors import AlreadyFreedError, NotAllocatedError
 
 STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
@@ -455,3 +458,26 @@ cdef list expandable_segment_sizes(DeviceState* a):
         mapped.push_back(seg.mapped)
     a.mutex.unlock()
     return [(streams[i], bool(small[i]), mapped[i]) for i in range(streams.size())]
+
+
+cdef void free_host_memory(DeviceState* a) noexcept:
+    """Delete every Block, pool and segment record of the allocator (its teardown). Device memory
+    is not given back: the backend may be gone at interpreter exit, and a device context's
+    teardown reclaims it."""
+    cdef vector[Block*] blocks
+    cdef Block* b
+    cdef pair[MempoolId, PrivatePool*] entry
+    collect_blocks(a, &blocks)
+    for b in blocks:
+        Py_XDECREF(<PyObject*>b.py_address)
+        del b
+    for b in a.st.spare_blocks:
+        Py_XDECREF(<PyObject*>b.py_address)
+        del b
+    a.st.spare_blocks.clear()
+    free_segment_structs(&a.st)
+    for entry in a.graph_pools:
+        del entry.second
+    a.graph_pools.clear()
+    del a.large_blocks
+    del a.small_blocks

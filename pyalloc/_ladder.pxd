@@ -15,3 +15,4 @@ cdef int release_cached_segment(DeviceState* a, uintptr_t ptr, size_t size,
 cdef int record_oom(DeviceState* a, size_t alloc_size, size_t rounded, uintptr_t stream,
                     uint32_t context_id) except -1
 cdef size_t grow_expandable(DeviceState* a, bint is_small, uintptr_t stream, size_t nbytes) except? 0
+cdef raise_oom_error(DeviceState* a, list observers, int device, size_t requested)

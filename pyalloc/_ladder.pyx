@@ -17,7 +17,8 @@ from libcpp.pair cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
 
 from pyalloc._backend cimport BACKEND_OOM
-from pyalloc._types cimport Block, BlockPool, BlockSet, MempoolId, PrivatePool, Settings, TR_OOM
+from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool, Settings, TR_OOM,
+                             ST_ALLOCATED_BYTES, ST_RESERVED_BYTES)
 from pyalloc._policy cimport (kSizeMax, round_size, is_small_request, segment_size_for, gc_enabled,
                               get_free_block, take_block, new_block, retire_block)
 from pyalloc._state cimport trace, commit_segment_alloc, commit_segment_free
@@ -26,6 +27,7 @@ from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, ex
 from pyalloc._device cimport DeviceState, ReleaseCount, backend_of, lock_device, hand_out, find_route
 from pyalloc._routing cimport private_cached
 from pyalloc._events cimport synchronize_and_free_events, stream_is_alive
+from pyalloc.errors import OutOfMemoryError, format_bytes
 
 
 # ------------------------------------------------------------------------------- malloc's slow path
@@ -426,3 +428,30 @@ cdef int record_oom(DeviceState* a, size_t alloc_size, size_t rounded, uintptr_t
     a.oom_total = total_bytes
     a.oom_private = private_cached(a)
     return 0
+
+
+cdef raise_oom_error(DeviceState* a, list observers, int device, size_t requested):
+    """Call `observers` (the allocator's OOM observers; None once the collector cleared them), then
+    raise OutOfMemoryError with PyTorch's figures for the last failed request (lock not held)."""
+    allocated = a.st.stats[ST_ALLOCATED_BYTES].all_current
+    reserved = a.st.stats[ST_RESERVED_BYTES].all_current
+    private = a.oom_private
+    capped = a.st.settings.allowed_memory_maximum != kSizeMax
+    allowed = a.st.settings.allowed_memory_maximum if capped else None
+    for observer in list(observers or ()):
+        observer(device, a.oom_alloc_size, allowed if capped else a.oom_total, a.oom_free)
+    limit = f"{format_bytes(allowed)} allowed; " if capped else ""
+    in_private = (f"with {format_bytes(private)} allocated in private pools (e.g., CUDA Graphs), "
+                  if private else "")
+    raise OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {format_bytes(a.oom_alloc_size)}. "
+        f"GPU {device} has a total capacity of {format_bytes(a.oom_total)} of which "
+        f"{format_bytes(a.oom_free)} is free. {limit}Of the allocated memory "
+        f"{format_bytes(allocated + private)} is allocated by pyalloc, {in_private}and "
+        f"{format_bytes(reserved - allocated - private)} is reserved by pyalloc but unallocated. "
+        "If reserved but unallocated memory is large try setting "
+        "PYALLOC_CONF=expandable_segments:True (or PYTORCH_CUDA_ALLOC_CONF) to avoid "
+        "fragmentation; `pyalloc tune` on a memory snapshot ranks every setting.",
+        requested=requested, segment_size=a.oom_alloc_size, device=device,
+        total=a.oom_total, free=a.oom_free, allocated=allocated,
+        reserved_unallocated=reserved - allocated - private, allowed=allowed)

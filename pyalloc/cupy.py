@@ -31,7 +31,7 @@ import gc
 import threading
 
 from pyalloc import defaults as _defaults
-from pyalloc._core import Buffer
+from pyalloc._buffer import Buffer
 from pyalloc._hooks import FrameworkMalloc
 from pyalloc.errors import NoCudaDriverError, OutOfMemoryError, framework_out_of_memory_error
 

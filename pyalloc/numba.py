@@ -45,7 +45,7 @@ import weakref
 
 from pyalloc import _streams
 from pyalloc import defaults as _defaults
-from pyalloc._core import Buffer
+from pyalloc._buffer import Buffer
 from pyalloc.errors import OutOfMemoryError, framework_out_of_memory_error
 
 __all__ = ["install", "is_installed", "allocation_stream", "PyallocMemoryManager",

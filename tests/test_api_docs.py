@@ -13,7 +13,8 @@ import sys
 import pytest
 
 import pyalloc
-from pyalloc._core import Buffer, DeviceCachingAllocator
+from pyalloc._buffer import Buffer
+from pyalloc._core import DeviceCachingAllocator
 from pyalloc._sim import SimDevice
 
 # (callable, the parameter names inspect.signature must give); bound where the instance matters.
