@@ -53,7 +53,7 @@ def _not_built(exc):
 
 try:
     from pyalloc._buffer import Buffer
-    from pyalloc._core import get_memory_metadata, set_memory_metadata
+    from pyalloc._metadata import get_memory_metadata, set_memory_metadata
     from pyalloc._sim import SimDevice
 except ModuleNotFoundError as _exc:
     _err = _not_built(_exc)

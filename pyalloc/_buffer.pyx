@@ -4,9 +4,44 @@ Buffer may free)."""
 from libc.stdint cimport uintptr_t
 cimport cython
 
+from libc.stdint cimport uint32_t
+
 from pyalloc._types cimport Block
 from pyalloc._validate cimport stream_handle, request_size
+from pyalloc._device cimport lock_device, pyalloc_is_finalizing
+from pyalloc._hot cimport lookup_allocated, allocator_free
 from pyalloc._core cimport DeviceCachingAllocator
+
+
+# Whether the cyclic collector is running (set by a gc.callbacks entry; collections at
+# interpreter exit run no callbacks, and pyalloc_is_finalizing() covers those).
+cdef bint gc_collecting = False
+
+
+def _note_gc_phase(phase, info):
+    global gc_collecting
+    gc_collecting = phase == "start"
+
+
+import gc as _gc
+_gc.callbacks.append(_note_gc_phase)
+
+
+cdef int free_buffer_block(DeviceCachingAllocator a, uintptr_t p, uint32_t context_id) except -1:
+    """The Buffer that owns the block at `p` frees it. A failed free leaves the Buffer its owner."""
+    cdef Block* b
+    lock_device(&a.d)
+    try:
+        b = lookup_allocated(&a.d, p)
+        b.buffer_owned = False
+        try:
+            allocator_free(&a.d, b, context_id)
+        except BaseException:
+            b.buffer_owned = True
+            raise
+    finally:
+        a.d.mutex.unlock()
+    return 0
 
 
 # no_gc_clear: when a Buffer is freed as part of a garbage cycle, the collector must not clear
@@ -59,7 +94,8 @@ cdef class Buffer:
         if p:
             self.ptr = 0
             try:
-                self.allocator.free_owned(p, False)
+                free_buffer_block(self.allocator, p,
+                                  self.allocator.context_recorder() if self.allocator.d.capture_free_stacks else 0)
             except BaseException:
                 self.ptr = p               # not freed: the Buffer still owns the block
                 raise
@@ -90,5 +126,16 @@ cdef class Buffer:
                 f"device={self.device})")
 
     def __dealloc__(self):
+        # The free-call stack is not recorded while the cyclic collector runs or the interpreter
+        # finalizes: the recorder is Python code that may itself be garbage the collector has
+        # already cleared (calling a cleared function crashes CPython), and the stack would only
+        # show where the collection happened to start. A recorder that fails otherwise costs the
+        # stack, not the free.
+        cdef uint32_t context_id = 0
         if self.ptr and self.allocator is not None:
-            self.allocator.free_owned(self.ptr, True)
+            if self.allocator.d.capture_free_stacks and not gc_collecting and not pyalloc_is_finalizing():
+                try:
+                    context_id = self.allocator.context_recorder()
+                except Exception:
+                    context_id = 0
+            free_buffer_block(self.allocator, self.ptr, context_id)

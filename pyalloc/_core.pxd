@@ -36,9 +36,8 @@ cdef class DeviceCachingAllocator:
     cdef size_t policy_release_bytes(self, size_t size, uintptr_t stream) except? 0
     cdef int release_cached_segment(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1
     cdef raise_oom(self, size_t requested)
-    # For Buffer (_buffer.pyx): a block only its Buffer may free, and that free.
+    # For Buffer (_buffer.pyx): a block only its Buffer may free (it frees it with _hot.pxd's free).
     cdef Block* allocate_owned(self, size_t size, uintptr_t stream) except? NULL
-    cdef int free_owned(self, uintptr_t ptr, bint in_dealloc) except -1
     cdef int free_pointer(self, uintptr_t ptr) except -1
     cdef int keep_allocation_stream(self, uintptr_t stream, object stream_object) except -1
     cdef bint routes_capture(self, unsigned long long capture_id) noexcept

@@ -27,9 +27,10 @@ from cython.operator cimport dereference as deref
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 import threading
+import gc as _gc
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
-from pyalloc._types cimport (Block, BlockPool, MempoolId, PrivatePool, Route, ROUTE_THREAD,
+from pyalloc._types cimport (Block, BlockPool, MempoolId, PrivatePool, Route, Settings, ROUTE_THREAD,
                              ROUTE_CAPTURE, ST_RESERVED_BYTES, ST_ALLOCATED_BYTES, ST_ACTIVE_BYTES,
                              TR_SNAPSHOT)
 from pyalloc._types cimport current_thread_key as thread_key_now
@@ -38,7 +39,7 @@ from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLarge
                               kLargeBuffer, kRoundLarge, kSizeMax, kMaxRequest, round_size)
 from pyalloc._state cimport trace
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
-from pyalloc._device cimport DeviceState, lock_device, routes_capture
+from pyalloc._device cimport DeviceState, lock_device, routes_capture, pyalloc_is_finalizing
 from pyalloc._hot cimport (allocator_malloc, allocator_free, lookup_allocated, malloc_cache_hit,
                            free_cache_hit, record_stream_cache_hit)
 from pyalloc._ladder cimport (policy_release_bytes, release_cached, release_pool,
@@ -67,6 +68,7 @@ SIZE_MAX = kSizeMax
 ROUTE_FILTERS = ("thread", "capture")        # by RouteFilterKind
 
 
+# ------------------------------------------------------------------------------- process state
 #
 # State that must be one per process lives here and nowhere else: other extension modules get
 # their own copy of any variable defined in a shared header, so they reach these through _core.
@@ -74,7 +76,7 @@ ROUTE_FILTERS = ("thread", "capture")        # by RouteFilterKind
 cdef extern from *:
     """
     #include <atomic>
-    /* This thread's metadata id (an index into _metadata_strings; 0 = none). */
+    /* This thread's metadata id (an index into pyalloc._metadata's strings; 0 = none). */
     static thread_local uint32_t pyalloc_current_metadata_id = 0;
     /* Set once any thread has set metadata: until then the hot path skips the thread-local read. */
     static std::atomic<bool> pyalloc_metadata_in_use{false};
@@ -99,42 +101,14 @@ cdef extern from *:
     AtomicInt64 pyalloc_graph_pool_ids
 
 
-# Metadata strings are interned process-wide: blocks and trace entries hold a uint32 id, so
-# stamping them costs nothing. The table only grows (one entry per distinct string ever set).
-_metadata_strings = [""]        # id -> string; id 0 is "no metadata"
-_metadata_ids = {"": 0}
-_metadata_lock = threading.Lock()   # two threads interning one new string must agree on its id
+def _set_thread_metadata_id(uint32_t metadata_id):
+    """Stamp this thread's later allocations with `metadata_id` (pyalloc._metadata interns them)."""
+    pyalloc_set_metadata(metadata_id)
 
 
-def set_memory_metadata(text):
-    """Set this thread's metadata string; stamped on trace entries and live blocks. "" clears it.
-
-    Per OS thread, process-wide (all allocators), like torch.cuda.memory._set_memory_metadata.
-    Raises TypeError (state unchanged) when `text` is not a str.
-    """
-    cdef uint32_t mid
-    if not isinstance(text, str):
-        raise TypeError(f"memory metadata must be a str, got {type(text).__name__} {text!r}")
-    text = str(text)        # a str subclass is stored as a plain str (it is pickled in snapshots)
-    mid = _metadata_ids.get(text, 0)
-    if text and not mid:
-        with _metadata_lock:
-            mid = _metadata_ids.get(text, 0)
-            if not mid:
-                mid = len(_metadata_strings)
-                _metadata_strings.append(text)
-                _metadata_ids[text] = mid
-    pyalloc_set_metadata(mid)
-
-
-def get_memory_metadata():
-    """This thread's metadata string ("" when none)."""
-    return _metadata_strings[pyalloc_get_metadata()]
-
-
-def metadata_string(uint32_t metadata_id):
-    """The metadata string of an id recorded in blocks and trace entries."""
-    return _metadata_strings[metadata_id]
+def _thread_metadata_id():
+    """This thread's metadata id (0: none)."""
+    return pyalloc_get_metadata()
 
 
 def new_mempool_id(bint user_created):
@@ -284,12 +258,6 @@ cdef class DeviceCachingAllocator:
             self.d.mutex.unlock()
         return b
 
-    cdef int free_owned(self, uintptr_t ptr, bint in_dealloc) except -1:
-        """A Buffer frees its block (`in_dealloc`: from its __dealloc__)."""
-        if in_dealloc:
-            return release_pointer_in_dealloc(self, ptr)
-        return release_pointer(self, ptr, True)
-
     cdef raise_oom(self, size_t requested):
         raise_out_of_memory(self, requested)
 
@@ -305,31 +273,24 @@ cdef class DeviceCachingAllocator:
         `settings` has the attributes of pyalloc.config.AllocatorConfig (bytes, floats, bools).
         Values are validated by the config parser; they are checked again here only for type.
         """
-        cdef size_t max_split = settings.max_split_size
-        cdef size_t non_split = settings.max_non_split_rounding_size
-        cdef double gc = settings.garbage_collection_threshold
+        cdef Settings s          # read whole before the lock: a bad value changes nothing
+        s.max_split_size = settings.max_split_size
+        s.max_non_split_rounding_size = settings.max_non_split_rounding_size
+        s.gc_threshold = settings.garbage_collection_threshold
         divisions = list(settings.roundup_power2_divisions)
         if len(divisions) != 16:
             raise ValueError(f"roundup_power2_divisions needs 16 buckets, got {len(divisions)}")
-        cdef size_t[16] divs
         for i in range(16):
-            divs[i] = divisions[i]
-        cdef bint expandable = settings.expandable_segments
-        cdef bint release_lock = getattr(settings, "release_lock_on_cudamalloc", False)
-        cdef bint graph_reuse = getattr(settings, "graph_capture_record_stream_reuse", False)
-        cdef bint graph_last_use = getattr(settings, "graph_capture_last_use_marks", False)
-        cdef bint graph_cross = getattr(settings, "graph_capture_cross_stream_reuse", False)
+            s.roundup_divisions[i] = divisions[i]
+        s.expandable_segments = settings.expandable_segments
+        s.release_lock_on_malloc = getattr(settings, "release_lock_on_cudamalloc", False)
+        s.graph_reuse = getattr(settings, "graph_capture_record_stream_reuse", False)
+        s.graph_last_use = getattr(settings, "graph_capture_last_use_marks", False)
+        s.graph_cross_stream_reuse = getattr(settings, "graph_capture_cross_stream_reuse", False)
         lock_device(&self.d)
-        self.d.st.settings.release_lock_on_malloc = release_lock
-        self.d.st.settings.graph_reuse = graph_reuse
-        self.d.st.settings.graph_last_use = graph_last_use
-        self.d.st.settings.graph_cross_stream_reuse = graph_cross
-        self.d.st.settings.max_split_size = max_split
-        self.d.st.settings.max_non_split_rounding_size = non_split
-        self.d.st.settings.gc_threshold = gc
-        for i in range(16):
-            self.d.st.settings.roundup_divisions[i] = divs[i]
-        self.d.st.settings.expandable_segments = expandable
+        s.allowed_memory_maximum = self.d.st.settings.allowed_memory_maximum   # set_memory_fraction's
+        s.memory_fraction = self.d.st.settings.memory_fraction
+        self.d.st.settings = s
         self.d.mutex.unlock()
 
     def _init_stat_max_split_size(self):
@@ -767,31 +728,6 @@ cdef extern from *:
     void pyalloc_set_tp_clear(PyObject* type, tp_clear_fn clear)
 
 
-# Whether the cyclic collector is running (set by a gc.callbacks entry; collections at
-# interpreter exit run no callbacks, and pyalloc_is_finalizing() covers those).
-cdef bint gc_collecting = False
-
-
-def _note_gc_phase(phase, info):
-    global gc_collecting
-    gc_collecting = phase == "start"
-
-
-import gc as _gc
-_gc.callbacks.append(_note_gc_phase)
-
-
-cdef extern from *:
-    """
-    #if PY_VERSION_HEX >= 0x030D0000
-    #define pyalloc_is_finalizing() Py_IsFinalizing()
-    #else
-    #define pyalloc_is_finalizing() _Py_IsFinalizing()
-    #endif
-    """
-    bint pyalloc_is_finalizing() noexcept
-
-
 cdef int clear_allocator(PyObject* o) noexcept:
     cdef DeviceCachingAllocator a = <DeviceCachingAllocator><object>o
     a.capture_alloc_stacks = False      # nothing left to record stacks with
@@ -838,9 +774,8 @@ cdef inline int try_allocate(DeviceCachingAllocator a, size_t size, uintptr_t st
     return rc
 
 
-cdef inline int release_pointer(DeviceCachingAllocator a, uintptr_t p, bint by_buffer=False) except -1:
-    """free for a validated pointer: the path shared by free() and Buffer (`by_buffer`: the
-    Buffer that owns the block frees it)."""
+cdef inline int release_pointer(DeviceCachingAllocator a, uintptr_t p) except -1:
+    """free for a validated pointer (free(), the framework hooks)."""
     if p == 0:
         return 0
     cdef Block* b
@@ -853,48 +788,11 @@ cdef inline int release_pointer(DeviceCachingAllocator a, uintptr_t p, bint by_b
     try:
         b = lookup_allocated(&a.d, p)
         if unlikely(b.buffer_owned):
-            free_owned_block(a, b, by_buffer, context_id)
-        else:
-            allocator_free(&a.d, b, context_id)
-    finally:
-        a.d.mutex.unlock()
-    return 0
-
-
-cdef int free_owned_block(DeviceCachingAllocator a, Block* b, bint by_buffer,
-                          uint32_t context_id) except -1:
-    """Free a Buffer's block: only its Buffer may (a raw free would leave the Buffer to free
-    whatever block sits at that address later). A failed free leaves the Buffer its owner."""
-    if not by_buffer:
-        raise OwnedByBufferError(f"pointer {b.ptr:#x} belongs to a pyalloc.Buffer: close the Buffer "
-                                 f"(or drop it) instead of freeing its pointer", b.ptr)
-    b.buffer_owned = False
-    try:
+            # Only its Buffer may free it (_buffer.pyx): a raw free would leave the Buffer to
+            # free whatever block sits at that address later.
+            raise OwnedByBufferError(f"pointer {b.ptr:#x} belongs to a pyalloc.Buffer: close the "
+                                     f"Buffer (or drop it) instead of freeing its pointer", b.ptr)
         allocator_free(&a.d, b, context_id)
-    except BaseException:
-        b.buffer_owned = True
-        raise
-    return 0
-
-
-cdef inline int release_pointer_in_dealloc(DeviceCachingAllocator a, uintptr_t p) except -1:
-    """release_pointer for Buffer.__dealloc__: the block is freed whatever happens to the
-    free-call stack.
-
-    The stack is not recorded while the cyclic collector runs or the interpreter finalizes: the
-    recorder is Python code that may itself be garbage the collector has already cleared
-    (calling a cleared function crashes CPython), and the stack would only show where the
-    collection happened to start. A recorder that fails otherwise costs the stack, not the free.
-    """
-    cdef uint32_t context_id = 0
-    if a.d.capture_free_stacks and not gc_collecting and not pyalloc_is_finalizing():
-        try:
-            context_id = a.context_recorder()
-        except Exception:
-            context_id = 0
-    lock_device(&a.d)
-    try:
-        free_owned_block(a, lookup_allocated(&a.d, p), True, context_id)
     finally:
         a.d.mutex.unlock()
     return 0

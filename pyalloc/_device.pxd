@@ -63,6 +63,17 @@ cdef extern from "_device.h" namespace "pyalloc" nogil:
         size_t oom_alloc_size, oom_free, oom_total, oom_private
 
 
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX >= 0x030D0000
+    #define pyalloc_is_finalizing() Py_IsFinalizing()
+    #else
+    #define pyalloc_is_finalizing() _Py_IsFinalizing()
+    #endif
+    """
+    bint pyalloc_is_finalizing() noexcept     # the interpreter is shutting down
+
+
 cdef inline Backend backend_of(DeviceState* a):
     """The allocator's backend (the allocator object owns the reference; slow paths only)."""
     return <Backend>a.backend

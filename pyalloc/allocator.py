@@ -9,7 +9,8 @@ from pyalloc import config as _config
 from pyalloc import pools as _pools
 from pyalloc import snapshot as _snapshot
 from pyalloc._buffer import Buffer
-from pyalloc._core import DeviceCachingAllocator, metadata_string
+from pyalloc._core import DeviceCachingAllocator
+from pyalloc._metadata import metadata_string
 from pyalloc._backend import Backend
 from pyalloc.errors import format_bytes
 

@@ -29,7 +29,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from pyalloc._core import TRACE_ACTIONS, metadata_string
+from pyalloc._core import TRACE_ACTIONS
+from pyalloc._metadata import metadata_string
 from pyalloc._stacks import stack_key
 
 # Ring buffer capacity when record_memory_history is not told otherwise. PyTorch's default is
