@@ -15,7 +15,7 @@ from libcpp.pair cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc
 
 from pyalloc._types cimport Block, BlockPool, CaptureUses, DeferredEntry, PrivatePool, StreamReuse
-from pyalloc._policy cimport get_free_block
+from pyalloc._policy cimport get_free_block, oversize_allowed
 from pyalloc._device cimport (DeviceState, backend_of, routes_capture, forget_stream_use,
                               forget_stream_uses, free_completed)
 from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
@@ -240,12 +240,10 @@ cdef int free_safe_blocks_in_capture(DeviceState* a, uintptr_t stream, BlockPool
     # only when the pool has no block that fits.)
     cdef Block* b
     cdef Block* best = NULL
-    cdef size_t max_split = a.st.settings.max_split_size
     for i in range(a.deferred_blocks.size()):
         b = a.deferred_blocks[i]
         if (b != NULL and b.stream != stream and b.pool == pool and b.size >= size
-                and not (size < max_split and b.size >= max_split)
-                and not (size >= max_split and b.size - size >= a.st.settings.max_non_split_rounding_size)
+                and oversize_allowed(&a.st.settings, b.size, size)
                 and (best == NULL or b.size < best.size)
                 and reusable_on(a, b, stream, private, True)
                 and all_visited(&reuse.visited, a.capture_uses[b].markers)):

@@ -16,6 +16,7 @@ from cpython.object cimport PyObject
 from cpython.dict cimport PyDict_Next, PyDict_GetItem
 
 from pyalloc._types cimport Block
+from pyalloc._state cimport commit_sync_all
 from pyalloc._device cimport (DeviceState, EventEntry, EventQueues, backend_of, lock_device,
                               forget_stream_uses, free_completed, stream_use_state, add_stream_use,
                               make_room_for_use, USE_KNOWN, USE_NEEDS_MEMORY)
@@ -342,7 +343,7 @@ cdef inline void event_done(DeviceState* a, uintptr_t event, Block* b) noexcept:
 
 cdef int synchronize_and_free_events(DeviceState* a) except -1:
     """Wait for every outstanding event and free the blocks that were waiting on them."""
-    a.st.num_sync_all_streams += 1
+    commit_sync_all(&a.st)
     if not a.deferred_blocks.empty():
         flush_deferred_blocks(a)
     cdef EventEntry front

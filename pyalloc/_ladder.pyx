@@ -20,8 +20,9 @@ from pyalloc._backend cimport BACKEND_OOM
 from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool, Settings, TR_OOM,
                              ST_ALLOCATED_BYTES, ST_RESERVED_BYTES)
 from pyalloc._policy cimport (kSizeMax, round_size, is_small_request, segment_size_for, gc_enabled,
-                              get_free_block, take_block, new_block, retire_block)
-from pyalloc._state cimport trace, commit_segment_alloc, commit_segment_free
+                              get_free_block, take_block, new_block, retire_block, is_oversize,
+                              oversize_release_target)
+from pyalloc._state cimport commit_segment_alloc, commit_segment_free, commit_retry, commit_oom
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, expandable_growth_bytes,
                                   whole_pages, mapped_bytes)
 from pyalloc._device cimport DeviceState, ReleaseCount, backend_of, lock_device, hand_out, find_route
@@ -118,7 +119,7 @@ cdef int alloc_block(DeviceState* a, BlockPool* pool, uintptr_t stream, size_t a
     the stream's expandable segment of `pool`.
     """
     if is_retry:
-        a.st.num_alloc_retries += 1
+        commit_retry(&a.st)
     cdef size_t limit = a.st.settings.allowed_memory_maximum
     if limit != kSizeMax and a.st.total_allocated_memory + alloc_size > limit:
         return BACKEND_OOM
@@ -241,12 +242,11 @@ cdef int release_available_cached_blocks(DeviceState* a, ReleaseCount* dry, Bloc
 
     Returns 1 when something was freed. Only meaningful when max_split_size is set.
     """
-    cdef size_t max_split = a.st.settings.max_split_size
-    if max_split == kSizeMax or a.capture_routes:
+    cdef size_t wanted = oversize_release_target(&a.st.settings, size)   # bytes to free at least
+    if wanted == 0 or a.capture_routes:
         # During a capture, freeing a segment would invalidate it: PyTorch does it anyway (#159594,
         # open in late 2025); pyalloc fails over to the out-of-memory error instead.
         return 0
-    cdef size_t wanted = size if size > max_split else max_split      # bytes to free at least
     cdef BlockSet.iterator it = pool.blocks.lower_bound(stream, wanted)
     cdef BlockSet.iterator cur
     cdef size_t released = 0
@@ -259,7 +259,8 @@ cdef int release_available_cached_blocks(DeviceState* a, ReleaseCount* dry, Bloc
         if it == pool.blocks.begin():
             return 0
         dec(it)
-        while released < wanted and deref(it).size >= max_split and deref(it).stream == stream:
+        while (released < wanted and is_oversize(&a.st.settings, deref(it).size)
+               and deref(it).stream == stream):
             cur = it
             is_first = cur == pool.blocks.begin()
             if not is_first:
@@ -419,10 +420,7 @@ cdef int record_oom(DeviceState* a, size_t alloc_size, size_t rounded, uintptr_t
     """Keep the figures of a failed request for the error (built after the lock is dropped)."""
     cdef size_t free_bytes = 0, total_bytes = 0
     backend_of(a).memory_info(&free_bytes, &total_bytes)
-    # PyTorch's oom entry: device free bytes in addr, the rounded request (not the segment size)
-    # in size, and the failing call's stream and stack.
-    trace(&a.st, TR_OOM, free_bytes, rounded, stream, context_id)
-    a.st.num_ooms += 1
+    commit_oom(&a.st, free_bytes, rounded, stream, context_id)
     a.oom_alloc_size = alloc_size
     a.oom_free = free_bytes
     a.oom_total = total_bytes

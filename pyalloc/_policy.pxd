@@ -93,6 +93,31 @@ cdef inline bint gc_enabled(const Settings* s) noexcept nogil:
     return s.allowed_memory_maximum != kSizeMax and s.gc_threshold > 0.0
 
 
+cdef inline bint is_oversize(const Settings* s, size_t size) noexcept nogil:
+    """A block (or request) of `size` bytes is "oversize": at least max_split_size."""
+    return size >= s.max_split_size
+
+
+cdef inline bint oversize_allowed(const Settings* s, size_t block_size, size_t size) noexcept nogil:
+    """Whether a free block of `block_size` bytes may serve a request of `size` rounded bytes under
+    the oversize rules: an oversize block is never carved for a smaller request, and a large
+    request takes one only if the excess stays under max_non_split_rounding_size."""
+    if unlikely(size < s.max_split_size and block_size >= s.max_split_size):
+        return False
+    # (block_size >= size: the excess is compared, so a huge max_non_split_rounding_size
+    # saturates instead of wrapping size + limit around to a small number.)
+    return not unlikely(size >= s.max_split_size
+                        and block_size - size >= s.max_non_split_rounding_size)
+
+
+cdef inline size_t oversize_release_target(const Settings* s, size_t size) noexcept nogil:
+    """The bytes of oversize cached segments the OOM ladder frees at least for a request of `size`
+    rounded bytes: max(size, max_split_size); 0 when max_split_size is not set (no such step)."""
+    if s.max_split_size == kSizeMax:
+        return 0
+    return size if size > s.max_split_size else s.max_split_size
+
+
 cdef inline bint is_free(Block* b) noexcept nogil:
     """A block that could be handed out: not allocated and not waiting for other streams."""
     return b != NULL and not b.allocated and b.event_count == 0 and b.stream_uses.empty()
@@ -144,15 +169,7 @@ cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t 
             if it == pool.blocks.end() or deref(it).stream != stream:
                 return NULL
     cdef Block* b = deref(it)
-    # An oversize block (>= max_split_size) is never carved for a smaller request, and a large
-    # request takes one only if the excess stays under max_non_split_rounding_size.
-    if unlikely(size < s.max_split_size and b.size >= s.max_split_size):
-        return NULL
-    # (b.size >= size: the excess is compared, so a huge max_non_split_rounding_size saturates
-    # instead of wrapping size + limit around to a small number.)
-    if unlikely(size >= s.max_split_size and b.size - size >= s.max_non_split_rounding_size):
-        return NULL
-    return b
+    return b if oversize_allowed(s, b.size, size) else NULL
 
 
 cdef inline bint should_split(const Settings* s, Block* b, size_t size) noexcept nogil:

@@ -313,6 +313,71 @@ cdef inline size_t available_bytes(DeviceCachingAllocator a) except? 0:
     return free_bytes
 
 
+cdef struct Releases:
+    Py_ssize_t unmatched               # literal releases: segment_free entries with no such segment
+    Py_ssize_t window_end              # the classified release window runs up to here
+    Py_ssize_t next_call               # empty_cache_at: the next entry replayed as empty_cache()
+    Py_ssize_t call_pos
+    Py_ssize_t n_calls
+
+
+cdef int replay_release(DeviceCachingAllocator allocator, list entries, Py_ssize_t i, object action,
+                        object v_addr, object v_size, object v_stream, bint literal_releases,
+                        bint classify, Releases* rel, list calls) except -1:
+    """A segment_free / segment_unmap entry `i` (see replay_entries: literal, classified, or at
+    the given empty_cache_at entries). Lock held."""
+    cdef size_t release
+    if literal_releases:
+        if action == "segment_free":
+            if not allocator.release_cached_segment(v_addr, v_size, v_stream):
+                rel.unmatched += 1
+        elif i >= rel.window_end:
+            rel.window_end = release_window(entries, i)[0]
+            allocator.empty_cache_locked()
+            calls.append(i)
+    elif classify:
+        if i >= rel.window_end:
+            end, request, window_bytes = release_window(entries, i)
+            rel.window_end = end
+            release = 0
+            if request >= 0:
+                e = entries[request]
+                release = allocator.policy_release_bytes(e["size"], e.get("stream", 0))
+            if release == 0 or window_bytes > release:
+                allocator.empty_cache_locked()
+                calls.append(i)
+    elif i == rel.next_call:
+        allocator.empty_cache_locked()
+        rel.call_pos += 1
+        rel.next_call = calls[rel.call_pos] if rel.call_pos < rel.n_calls else -1
+    return 0
+
+
+cdef tuple replay_oom(DeviceCachingAllocator allocator, Py_ssize_t i, dict d, object v_size,
+                      object v_stream, bint attempt_ooms):
+    """An oom entry `i`: attempted when `attempt_ooms` (see replay_entries); its oom_requests
+    tuple. Lock held."""
+    cdef size_t size = v_size, need
+    cdef uintptr_t stream = v_stream
+    cdef Block* b
+    fits = None
+    margin = 0
+    reserved = allocator.d.st.stats[ST_RESERVED_BYTES].all_current
+    allocated = allocator.d.st.stats[ST_ALLOCATED_BYTES].all_current
+    if attempt_ooms and size > 0:
+        if allocator.malloc_locked(size, stream, 0, &b) == BACKEND_OOM:
+            fits = False
+            need = segment_size_for(round_size(&allocator.d.st.settings, size))
+            margin = <object>available_bytes(allocator) - <object>need
+            reserved = allocator.d.st.stats[ST_RESERVED_BYTES].all_current
+            allocated = allocator.d.st.stats[ST_ALLOCATED_BYTES].all_current
+        else:
+            fits = True
+            margin = available_bytes(allocator)
+            allocator.free_locked(b, 0)
+    return (i, v_size, v_stream, d.get("device_free", 0), reserved, allocated, fits, margin)
+
+
 def replay_entries(DeviceCachingAllocator allocator, list entries, object progress=None,
                    Py_ssize_t progress_every=65536, object empty_cache_at=None,
                    bint attempt_ooms=True, bint literal_releases=False):
@@ -376,12 +441,15 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
     cdef ActiveMap live                               # trace address -> our block
     cdef Block out_of_memory                          # marks an allocation that failed
     cdef uintptr_t addr, stream
-    cdef size_t size, release, need, free_bytes, total_bytes
+    cdef size_t size
     cdef Block* b
     cdef Py_ssize_t allocations = 0, matches = 0, ooms = 0, unknown = 0, first_failed = -1
-    cdef Py_ssize_t unmatched = 0
-    cdef Py_ssize_t window_end = -1                   # classified window runs up to here
-    cdef Py_ssize_t next_call = -1, call_pos = 0, n_calls = 0
+    cdef Releases rel                                 # where the release windows stand
+    rel.unmatched = 0
+    rel.window_end = -1
+    rel.next_call = -1
+    rel.call_pos = 0
+    rel.n_calls = 0
     cdef bint classify = empty_cache_at is None
     cdef list calls
     cdef list oom_requests = []
@@ -394,9 +462,9 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
         calls = []
     else:
         calls = list(empty_cache_at)
-        n_calls = len(calls)
-        if n_calls:
-            next_call = calls[0]
+        rel.n_calls = len(calls)
+        if rel.n_calls:
+            rel.next_call = calls[0]
     # Unpickled traces share one string object per key and per action name. Looking keys up
     # with those very objects, and recognising actions by identity first, skips the string
     # comparisons that otherwise dominate the loop.
@@ -451,56 +519,17 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
                     if b != &out_of_memory:
                         allocator.free_locked(b, 0)
             elif kind == ACT_RELEASE:
-                if literal_releases:
-                    if action == "segment_free":
-                        if not allocator.release_cached_segment(v_addr, v_size, v_stream):
-                            unmatched += 1
-                    elif i >= window_end:
-                        window_end = release_window(entries, i)[0]
-                        allocator.empty_cache_locked()
-                        calls.append(i)
-                elif classify:
-                    if i >= window_end:
-                        end, request, window_bytes = release_window(entries, i)
-                        window_end = end
-                        release = 0
-                        if request >= 0:
-                            e = entries[request]
-                            release = allocator.policy_release_bytes(e["size"], e.get("stream", 0))
-                        if release == 0 or window_bytes > release:
-                            allocator.empty_cache_locked()
-                            calls.append(i)
-                elif i == next_call:
-                    allocator.empty_cache_locked()
-                    call_pos += 1
-                    next_call = calls[call_pos] if call_pos < n_calls else -1
+                replay_release(allocator, entries, i, action, v_addr, v_size, v_stream,
+                               literal_releases, classify, &rel, calls)
             elif kind == ACT_OOM:
-                size = v_size
-                stream = v_stream
-                fits = None
-                margin = 0
-                reserved = allocator.d.st.stats[ST_RESERVED_BYTES].all_current
-                allocated = allocator.d.st.stats[ST_ALLOCATED_BYTES].all_current
-                if attempt_ooms and size > 0:
-                    if allocator.malloc_locked(size, stream, 0, &b) == BACKEND_OOM:
-                        fits = False
-                        need = segment_size_for(round_size(&allocator.d.st.settings, size))
-                        margin = <object>available_bytes(allocator) - <object>need
-                        reserved = allocator.d.st.stats[ST_RESERVED_BYTES].all_current
-                        allocated = allocator.d.st.stats[ST_ALLOCATED_BYTES].all_current
-                    else:
-                        fits = True
-                        margin = available_bytes(allocator)
-                        allocator.free_locked(b, 0)
-                oom_requests.append((i, v_size, v_stream, d.get("device_free", 0), reserved,
-                                     allocated, fits, margin))
+                oom_requests.append(replay_oom(allocator, i, d, v_size, v_stream, attempt_ooms))
             if progress is not None and i % progress_every == 0:
                 progress(i, n)
     finally:
         allocator.unlock()
     if progress is not None:
         progress(n, n)
-    return allocations, matches, ooms, unknown, calls, oom_requests, first_failed, unmatched
+    return allocations, matches, ooms, unknown, calls, oom_requests, first_failed, rel.unmatched
 
 
 def trace_flags(list entries):

@@ -7,8 +7,8 @@ from pyalloc._types cimport (Block, BlockPool, CoreState, trace_record, unlikely
                              stat_pool, ST_ALLOCATION, ST_SEGMENT, ST_ACTIVE, ST_ALLOCATED_BYTES,
                              ST_RESERVED_BYTES, ST_ACTIVE_BYTES, ST_REQUESTED_BYTES, TR_ALLOC,
                              TR_FREE_REQUESTED, TR_FREE_COMPLETED, TR_SEGMENT_ALLOC,
-                             TR_SEGMENT_FREE, TR_SEGMENT_MAP, TR_SEGMENT_UNMAP)
-from pyalloc._policy cimport merge_free_block
+                             TR_SEGMENT_FREE, TR_SEGMENT_MAP, TR_SEGMENT_UNMAP, TR_OOM)
+from pyalloc._policy cimport merge_free_block, is_oversize
 
 
 cdef inline void trace(CoreState* st, int action, uintptr_t addr, size_t size, uintptr_t stream,
@@ -40,7 +40,7 @@ cdef inline void commit_alloc(CoreState* st, Block* b, size_t orig_size, uint32_
     stat_up(&st.stats[ST_ACTIVE], slot, 1)
     stat_up(&st.stats[ST_ACTIVE_BYTES], slot, <int64_t>b.size)
     stat_up(&st.stats[ST_REQUESTED_BYTES], slot, <int64_t>orig_size)
-    if unlikely(b.size >= st.settings.max_split_size):
+    if unlikely(is_oversize(&st.settings, b.size)):
         stat_add(&st.oversize_allocations, 1)
     if unlikely(st.history_on):
         trace(st, TR_ALLOC, b.ptr, orig_size, b.stream, context_id)
@@ -56,7 +56,7 @@ cdef inline void commit_free_requested(CoreState* st, Block* b, uint32_t context
     if unlikely(st.history_on):
         trace(st, TR_FREE_REQUESTED, b.ptr, b.requested_size, b.stream,
               context_id if context_id else b.context_id)
-    if unlikely(b.size >= st.settings.max_split_size):
+    if unlikely(is_oversize(&st.settings, b.size)):
         stat_add(&st.oversize_allocations, -1)
 
 
@@ -94,7 +94,7 @@ cdef inline void commit_segment_alloc(CoreState* st, Block* segment, uint32_t co
     if segment.pool.owner != NULL:
         segment.pool.owner.device_allocations += 1
     stat_pool(&st.stats[ST_SEGMENT], segment.pool.is_small, 1)
-    if segment.size >= st.settings.max_split_size:
+    if is_oversize(&st.settings, segment.size):
         stat_add(&st.oversize_segments, 1)
     if st.history_on:
         trace(st, TR_SEGMENT_ALLOC, segment.ptr, segment.size, segment.stream, context_id)
@@ -106,7 +106,7 @@ cdef inline void commit_segment_free(CoreState* st, Block* segment) noexcept nog
     if segment.pool.owner != NULL:
         segment.pool.owner.device_allocations -= 1
     stat_pool(&st.stats[ST_SEGMENT], segment.pool.is_small, -1)
-    if segment.size >= st.settings.max_split_size:
+    if is_oversize(&st.settings, segment.size):
         stat_add(&st.oversize_segments, -1)
     if st.history_on:
         trace(st, TR_SEGMENT_FREE, segment.ptr, segment.size, segment.stream, 0)
@@ -126,3 +126,22 @@ cdef inline void commit_unmap(CoreState* st, BlockPool* pool, uintptr_t ptr, siz
     commit_device_memory(st, pool, -<int64_t>size)
     if st.history_on:
         trace(st, TR_SEGMENT_UNMAP, ptr, size, stream, 0)
+
+
+cdef inline void commit_retry(CoreState* st) noexcept nogil:
+    """The OOM ladder retries a device allocation after its full flush."""
+    st.num_alloc_retries += 1
+
+
+cdef inline void commit_sync_all(CoreState* st) noexcept nogil:
+    """Every stream's events were waited for (the full flush, empty_cache)."""
+    st.num_sync_all_streams += 1
+
+
+cdef inline void commit_oom(CoreState* st, size_t free_bytes, size_t rounded, uintptr_t stream,
+                            uint32_t context_id) noexcept nogil:
+    """A request of `rounded` bytes on `stream` ran out of memory with `free_bytes` free on the
+    device. PyTorch's oom entry: device free bytes in addr, the rounded request (not the segment
+    size) in size, and the failing call's stream and stack."""
+    st.num_ooms += 1
+    trace(st, TR_OOM, free_bytes, rounded, stream, context_id)
