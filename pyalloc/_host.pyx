@@ -425,14 +425,25 @@ cdef class HostCachingAllocator:
             for index in range(kBuckets):
                 while not self.free_list[index].empty():
                     block = self.free_list[index].back()
-                    self._release_memory(block)
-                    self.free_list[index].pop_back()
-                    self.blocks.erase(block.ptr)
-                    self.segment.decrease(1)
-                    self.reserved_bytes.decrease(block.size)
-                    del block
+                    try:
+                        self._release_memory(block)
+                    except BaseException:
+                        # Unregistered but not freed: no longer pinned, so it must not be
+                        # handed out again; the cache lets it go (its pages leak).
+                        if block.origin == UNREGISTERED:
+                            self._drop_idle(index, block)
+                        raise
+                    self._drop_idle(index, block)
         finally:
             self._release()
+
+    cdef void _drop_idle(self, int index, HostBlock* block) noexcept:
+        """Forget the idle block at the back of free list `index` (its memory is given back)."""
+        self.free_list[index].pop_back()
+        self.blocks.erase(block.ptr)
+        self.segment.decrease(1)
+        self.reserved_bytes.decrease(block.size)
+        del block
 
     cdef int _release_memory(self, HostBlock* block) except -1:
         cdef int64_t start

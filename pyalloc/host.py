@@ -120,6 +120,18 @@ def get_host_allocator():
         return _default
 
 
+def _forget_default():
+    """pyalloc.set_default_backend's step for the host: the process-wide host allocator, made
+    over the previous default backend, is emptied and dropped when no block of it is in use (the
+    next use makes one over the new backend); one with blocks in use stays."""
+    global _default
+    with _lock:
+        if _default is None or any(state != "free" for _, _, state in _default.block_list()):
+            return
+        _default.close()
+        _default = None
+
+
 def host_memory_stats():
     """torch.cuda.host_memory_stats() for pyalloc's process-wide host allocator (a flat,
     sorted dict; {} before it is first used, as torch's before CUDA is initialised)."""

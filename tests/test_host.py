@@ -528,3 +528,39 @@ def test_module_level_functions_act_on_the_process_wide_host_allocator(monkeypat
     h._default.free(h._default.malloc(4096))
     pyalloc.empty_host_cache()
     assert pyalloc.host_memory_stats()["num_host_free"] == 1
+
+
+def test_a_block_unregistered_whose_free_failed_is_not_handed_out_again(dev):
+    h = HostAllocator(dev, config="pinned_use_cuda_host_register:True")
+    p = h.malloc(4096)
+    h.free(p)
+    h.host.fail_next("host_mfree")
+    with pytest.raises(pyalloc.CudaError):
+        h.empty_cache()
+    assert h.block_list() == [] and h.malloc(4096) != p
+
+
+def test_a_failed_unregister_keeps_the_block_cached_and_registered(dev):
+    h = HostAllocator(dev, config="pinned_use_cuda_host_register:True")
+    p = h.malloc(4096)
+    h.free(p)
+    h.host.fail_next("cuMemHostUnregister")
+    with pytest.raises(pyalloc.CudaError):
+        h.empty_cache()
+    assert (h.block_list(), h.host.registrations()) == ([(p, 4096, "free")], [(p, 4096)])
+
+
+def test_set_default_backend_drops_an_idle_process_wide_host_allocator(monkeypatch):
+    import pyalloc.host as h
+    monkeypatch.setattr(h, "_default", HostAllocator(pyalloc.SimDevice(), config=""))
+    h._default.free(h._default.malloc(4096))
+    pyalloc.set_default_backend(pyalloc.get_default_backend())
+    assert h._default is None
+
+
+def test_set_default_backend_keeps_a_process_wide_host_allocator_in_use(monkeypatch):
+    import pyalloc.host as h
+    monkeypatch.setattr(h, "_default", HostAllocator(pyalloc.SimDevice(), config=""))
+    h._default.malloc(4096)
+    pyalloc.set_default_backend(pyalloc.get_default_backend())
+    assert h._default is not None
