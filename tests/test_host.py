@@ -564,3 +564,28 @@ def test_set_default_backend_keeps_a_process_wide_host_allocator_in_use(monkeypa
     h._default.malloc(4096)
     pyalloc.set_default_backend(pyalloc.get_default_backend())
     assert h._default is not None
+
+
+def test_two_threads_allocating_and_freeing_leave_consistent_statistics(dev):
+    import threading
+    h = HostAllocator(dev, config="")
+    sizes = [100, 4096, 5000, 70000]
+
+    def work(seed):
+        live = []
+        for i in range(3000):
+            if live and (i * seed) % 3 == 0:
+                h.free(live.pop())
+            else:
+                live.append(h.malloc(sizes[(i + seed) % len(sizes)]))
+        for p in live:
+            h.free(p)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = h.stats()
+    blocks = h.block_list()
+    assert (s["allocation"]["current"], s["segment"]["current"]) == (0, len(blocks))
