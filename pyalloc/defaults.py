@@ -69,6 +69,9 @@ def set_default_backend(backend=None):
         capi = sys.modules.get("pyalloc._capi")
         if capi is not None:
             capi.forget_allocators()        # the C entry points look the new ones up
+        host = sys.modules.get("pyalloc.host")
+        if host is not None:
+            host._forget_default()          # the process-wide host allocator follows the backend
         _backend_choice = backend
         _current_device = _resolve_current_device
 
