@@ -143,6 +143,20 @@ def test_the_allocator_releases_the_stream_object_once_the_event_is_recorded():
     assert gone() is None
 
 
+def test_a_pin_is_let_go_at_its_blocks_free_while_other_streams_stay_pinned():
+    sim, alloc = make()
+    streams = [SimStream(sim) for _ in range(5)]
+    blocks = [alloc.malloc(4 * KiB) for _ in streams]
+    for p, s in zip(blocks, streams):
+        alloc.record_stream(p, s)
+    others = {s.ptr for s in streams} - {streams[2].ptr}
+    gone = weakref.ref(streams[2])
+    streams[2] = None
+    alloc.free(blocks[2])
+    assert gone() is None
+    assert alloc._stream_pin_handles() == others
+
+
 def test_a_stream_named_by_two_blocks_is_kept_until_both_are_freed():
     sim, alloc = make()
     p, q = alloc.malloc(4 * KiB), alloc.malloc(4 * KiB)
@@ -300,6 +314,23 @@ def test_a_dropped_stream_with_queued_work_is_not_let_go_while_new_streams_come(
         alloc.free(q)
         alloc.process_events()
     assert gone() is not None and all(s.ptr != handle for s in newer)
+
+
+def test_a_dropped_stream_is_let_go_while_new_streams_come_however_many_are_held():
+    # A reap reads every kept stream object, so new streams set one off once they number the
+    # objects kept before them; two reaps let a dropped stream go (an event, then its query).
+    sim, alloc = make()
+    held = [SimStream(sim) for _ in range(20)]
+    for s in held:
+        alloc.free(alloc.malloc(4 * KiB, s))
+    gone, handle, p = dropped_stream_with_queued_work(sim, alloc)
+    sim.complete(handle)
+    kept = len(held) + 1
+    newer = []
+    while gone() is not None and len(newer) <= 3 * kept:
+        newer.append(SimStream(sim))
+        alloc.free(alloc.malloc(4 * KiB, newer[-1]))
+    assert gone() is None, f"still kept after {len(newer)} new streams"
 
 
 def test_a_stream_the_program_still_holds_is_not_let_go():
