@@ -66,6 +66,11 @@ cdef class DeviceCachingAllocator:
     # Allocation streams the program has dropped (only the allocator holds their object): an event
     # recorded on each; once it completes, the object is let go (reap_dropped_streams).
     cdef unordered_map[uintptr_t, uintptr_t] retiring_streams     # handle -> event
+    # Segments (not expandable) held, by stream: every block belongs to a segment of its stream,
+    # so a stream has a block while it counts one here or owns an expandable segment
+    # (mark_streams_without_blocks). Updated where segments come and go, and where one changes
+    # streams (cross-stream reuse in a capture).
+    cdef unordered_map[uintptr_t, size_t] segments_by_stream
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools

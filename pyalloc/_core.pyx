@@ -1915,6 +1915,8 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
                 and all_visited(&reuse.visited, a.capture_uses[b].markers)):
             best = b
     if best != NULL:
+        forget_segment_stream(a, best.stream)
+        a.segments_by_stream[stream] += 1
         best.stream = stream            # a whole segment moves to the stream that may use it
         release_deferred(a, best, &a.capture_uses[best])
     return 0
@@ -2080,14 +2082,27 @@ cdef int alloc_block(DeviceCachingAllocator a, BlockPool* pool, uintptr_t stream
         return BACKEND_OOM
     cdef Block* b = new_block(&a.st, stream, alloc_size, pool, ptr)
     commit_segment_alloc(&a.st, b, context_id)
+    a.segments_by_stream[stream] += 1
     out[0] = b
     return 0
+
+
+cdef inline void forget_segment_stream(DeviceCachingAllocator a, uintptr_t stream) noexcept:
+    """One segment of `stream` is gone (released, or moved to another stream)."""
+    it = a.segments_by_stream.find(stream)
+    if it == a.segments_by_stream.end():
+        return
+    if deref(it).second <= 1:
+        a.segments_by_stream.erase(it)
+    else:
+        a.segments_by_stream[stream] = deref(it).second - 1
 
 
 cdef int release_block(DeviceCachingAllocator a, Block* b) except -1:
     """Return the whole-segment free block `b` to the device."""
     a.backend.segment_free(b.ptr, b.size)
     commit_segment_free(&a.st, b)
+    forget_segment_stream(a, b.stream)
     b.pool.blocks.erase(b)
     retire_block(&a.st, b)
     return 0
@@ -2586,16 +2601,18 @@ cdef int drop_stream_objects(DeviceCachingAllocator a, dict objects, mark_unused
 
 cdef int mark_streams_without_blocks(DeviceCachingAllocator a, vector[uintptr_t]* handles,
                                      vector[char]* unused) except -1:
-    """(Lock held.) The allocation streams of which no block is left; they are no longer kept."""
-    cdef vector[Block*] blocks
+    """(Lock held.) The allocation streams of which no block is left; they are no longer kept.
+
+    Every block is in a segment of its own stream: the segments are counted by stream
+    (segments_by_stream), and the expandable ones are few (one a stream and pool kind), so the
+    cost follows the streams and segments, not the blocks."""
     cdef unordered_set[uintptr_t] in_use
-    cdef Block* b
+    cdef ExpandableSegment* seg
     cdef size_t i
-    collect_blocks(a, &blocks)
-    for b in blocks:
-        in_use.insert(b.stream)
+    for seg in a.st.expandable_segments:
+        in_use.insert(seg.stream)
     for i in range(handles.size()):
-        if not in_use.count(deref(handles)[i]):
+        if not in_use.count(deref(handles)[i]) and not a.segments_by_stream.count(deref(handles)[i]):
             deref(unused)[i] = 1
             a.allocation_streams_kept.erase(deref(handles)[i])
             forget_retiring_stream(a, deref(handles)[i])
@@ -2922,6 +2939,7 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
     collect_blocks(a, &blocks)
     seen = set()
     reserved_by_pool = {}
+    segments_by_stream = {}
     for head in blocks:
         if head.prev != NULL:
             continue
@@ -2968,6 +2986,7 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
             b = b.next
         if not head.expandable:
             recount[ST_SEGMENT][p] += 1     # expandable maps are not counted as segments
+            segments_by_stream[head.stream] = segments_by_stream.get(head.stream, 0) + 1
         recount[ST_RESERVED_BYTES][p] += seg_size
         key = pool_id_tuple(head.pool)
         reserved_by_pool[key] = reserved_by_pool.get(key, 0) + seg_size
@@ -2982,6 +3001,9 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
                 f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {stat_current(&a.st.stats[k], p)}, "
                 f"recount gives {recount[k][p]}")
     assert a.st.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
+    counted = dict(a.segments_by_stream)
+    assert counted == segments_by_stream, (
+        f"segments by stream: counted {counted}, recount gives {segments_by_stream}")
     # Every pool's set must be in best-fit order with current keys (no stale entries), and every
     # private pool must know the bytes its segments hold.
     check_pool_order(a.small_blocks)

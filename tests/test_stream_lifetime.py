@@ -251,6 +251,22 @@ def test_an_allocation_stream_object_is_kept_while_the_allocator_holds_its_block
     assert gone() is None
 
 
+@pytest.mark.parametrize("config", ["", "expandable_segments:True"])
+def test_empty_cache_keeps_an_allocation_stream_while_a_block_of_it_is_live(config):
+    sim = SimDevice(1 << 30)
+    alloc = CachingAllocator(backend=sim, config=config)
+    s = SimStream(sim)
+    p = alloc.malloc(4 * KiB, s)
+    others = [alloc.malloc(4 * KiB) for _ in range(3)]     # blocks of other streams stay live
+    gone = weakref.ref(s)
+    del s
+    alloc.empty_cache()
+    assert gone() is not None                   # p is live: its stream may still use it
+    alloc.free(p)
+    alloc.empty_cache()                         # p's segment goes back: no block of it is left
+    assert gone() is None
+
+
 def test_a_new_stream_never_gets_blocks_cached_for_a_dead_streams_queued_work():
     sim, alloc = make()
     s = SimStream(sim)
