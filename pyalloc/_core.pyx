@@ -377,7 +377,11 @@ cdef class DeviceCachingAllocator:
         cached for the old one while that work may still use them. Released by empty_cache once
         no block of the stream is left, or once the program has dropped it and its work is done
         (reap_dropped_streams, run here when the stream is new: callers keep a stream before
-        allocating for it, so that a failure there allocates nothing). (Stream 0 never dies;
+        allocating for it, so that a failure there allocates nothing). A reap reads every kept
+        object, so it runs once the streams new since the last one number as many as the objects
+        kept before them: a new stream costs the same however many are kept, and a dropped stream
+        is let go within about three times as many new streams as were kept when it was dropped
+        (process_events() reaps at once). (Stream 0 never dies;
         keeping an object of the other never-dying handles, CUDA's 1 and 2, costs nothing.)"""
         if stream == 0:
             return 0
@@ -392,7 +396,10 @@ cdef class DeviceCachingAllocator:
                 self.allocation_stream_objects[stream] = stream_object
             # A new stream: the program may be making streams and dropping them (CuPy destroys a
             # stream when its object dies), so let go of the ones it has dropped.
-            if len(self.allocation_stream_objects) > 1:
+            self.streams_since_reap += 1
+            if (len(self.allocation_stream_objects) > 1
+                    and 2 * self.streams_since_reap >= <size_t>len(self.allocation_stream_objects)):
+                self.streams_since_reap = 0
                 reap_dropped_streams(self)
         return 0
 
@@ -574,6 +581,11 @@ cdef class DeviceCachingAllocator:
         if pin:
             with self.pins_lock:
                 self.stream_pins[s] = stream
+                # Its use may be over already (another thread freed the block meanwhile, before
+                # the pin existed): the next prune checks it.
+                lock_allocator(self)
+                self.pins_to_check.push_back(s)
+                self.mutex.unlock()
         if self.stream_pins:
             prune_stream_pins(self)
 
@@ -711,9 +723,14 @@ cdef class DeviceCachingAllocator:
                     raise RuntimeError(
                         f"beginAllocateToPool: already recording to mempool_id {tuple(pool_id)}")
             route.pool = create_or_incref_pool(self, pid)
+            route.seq = self.last_route_seq + 1
             self.captures_underway.push_back(route)
+            self.last_route_seq = route.seq
             if route.kind == ROUTE_CAPTURE:
+                self.capture_routes_by_seq[route.seq] = route
                 self.capture_routes += 1
+            else:
+                self.thread_routes[route.value].push_back(route)
         finally:
             self.mutex.unlock()
 
@@ -735,6 +752,9 @@ cdef class DeviceCachingAllocator:
                     # wait for the post-capture path (events once no route is active).
                     self.reuse_contexts.erase(route.value)
                     self.capture_routes -= 1
+                    self.capture_routes_by_seq.erase(route.seq)
+                else:
+                    forget_thread_route(self, route)
                 self.captures_underway.erase(self.captures_underway.begin() + i)
                 if self.captures_underway.empty() and not self.deferred_blocks.empty():
                     # No route is left: deferred blocks get their events now (PyTorch does this
@@ -1565,23 +1585,44 @@ cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint kn
 
 cdef PrivatePool* routed_pool(DeviceCachingAllocator a, uintptr_t stream) except? NULL:
     """The pool of the newest route whose filter accepts an allocation on `stream` by this
-    thread, or NULL (the default pools)."""
-    cdef size_t i = a.captures_underway.size()
+    thread, or NULL (the default pools).
+
+    This thread's newest route (thread_routes), unless a capture route newer than it accepts
+    the stream's capture: the capture routes newer than it are tried newest first, and the
+    stream's capture is asked for (once) only when there is one. Other threads' routes are not
+    read, so the cost does not grow with how many are open."""
     cdef uint64_t me = thread_key_now()
+    cdef uint64_t mine = 0                  # seq of this thread's newest route; 0: none
+    cdef PrivatePool* pool = NULL
     cdef unsigned long long capture_id
     cdef vector[uintptr_t] terminals
     cdef int capturing = -1
-    while i > 0:
-        i -= 1
-        if a.captures_underway[i].kind == ROUTE_THREAD:
-            if a.captures_underway[i].value == me:
-                return a.captures_underway[i].pool
-        else:
-            if capturing < 0:
-                capturing = a.backend.capture_info(stream, &capture_id, &terminals)
-            if capturing and capture_id == a.captures_underway[i].value:
-                return a.captures_underway[i].pool
-    return NULL
+    cdef unordered_map[uint64_t, vector[Route]].iterator own = a.thread_routes.find(me)
+    if own != a.thread_routes.end():
+        mine = deref(own).second.back().seq
+        pool = deref(own).second.back().pool
+    cdef cppmap[uint64_t, Route].reverse_iterator it = a.capture_routes_by_seq.rbegin()
+    while it != a.capture_routes_by_seq.rend() and deref(it).first > mine:
+        if capturing < 0:
+            capturing = a.backend.capture_info(stream, &capture_id, &terminals)
+        if capturing and capture_id == deref(it).second.value:
+            return deref(it).second.pool
+        inc(it)
+    return pool
+
+
+cdef void forget_thread_route(DeviceCachingAllocator a, Route route) noexcept:
+    """Take thread route `route` (ended) out of thread_routes."""
+    cdef unordered_map[uint64_t, vector[Route]].iterator own = a.thread_routes.find(route.value)
+    if own == a.thread_routes.end():
+        return
+    cdef size_t i
+    for i in range(deref(own).second.size()):
+        if deref(own).second[i].seq == route.seq:
+            deref(own).second.erase(deref(own).second.begin() + i)
+            break
+    if deref(own).second.empty():
+        a.thread_routes.erase(own)
 
 
 cdef Py_ssize_t find_route(DeviceCachingAllocator a, MempoolId pid) noexcept:
@@ -1874,6 +1915,8 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
                 and all_visited(&reuse.visited, a.capture_uses[b].markers)):
             best = b
     if best != NULL:
+        forget_segment_stream(a, best.stream)
+        a.segments_by_stream[stream] += 1
         best.stream = stream            # a whole segment moves to the stream that may use it
         release_deferred(a, best, &a.capture_uses[best])
     return 0
@@ -2039,14 +2082,27 @@ cdef int alloc_block(DeviceCachingAllocator a, BlockPool* pool, uintptr_t stream
         return BACKEND_OOM
     cdef Block* b = new_block(&a.st, stream, alloc_size, pool, ptr)
     commit_segment_alloc(&a.st, b, context_id)
+    a.segments_by_stream[stream] += 1
     out[0] = b
     return 0
+
+
+cdef inline void forget_segment_stream(DeviceCachingAllocator a, uintptr_t stream) noexcept:
+    """One segment of `stream` is gone (released, or moved to another stream)."""
+    it = a.segments_by_stream.find(stream)
+    if it == a.segments_by_stream.end():
+        return
+    if deref(it).second <= 1:
+        a.segments_by_stream.erase(it)
+    else:
+        a.segments_by_stream[stream] = deref(it).second - 1
 
 
 cdef int release_block(DeviceCachingAllocator a, Block* b) except -1:
     """Return the whole-segment free block `b` to the device."""
     a.backend.segment_free(b.ptr, b.size)
     commit_segment_free(&a.st, b)
+    forget_segment_stream(a, b.stream)
     b.pool.blocks.erase(b)
     retire_block(&a.st, b)
     return 0
@@ -2498,6 +2554,8 @@ cdef inline void forget_stream_use(DeviceCachingAllocator a, uintptr_t stream) n
         return
     if deref(it).second <= 1:
         a.stream_use_counts.erase(it)
+        if a.stream_pins:             # its pin (if any) may go now: the next prune checks it
+            a.pins_to_check.push_back(stream)
     else:
         a.stream_use_counts[stream] = deref(it).second - 1
 
@@ -2514,8 +2572,8 @@ ctypedef int (*mark_unused_fn)(DeviceCachingAllocator, vector[uintptr_t]*, vecto
 
 
 cdef int drop_stream_objects(DeviceCachingAllocator a, dict objects, mark_unused_fn mark) except -1:
-    """Drop the stream objects of `objects` (handle -> object: the record_stream pins or the
-    allocation streams) that `mark` marks unused.
+    """Drop the stream objects of `objects` (handle -> object: the allocation streams) that
+    `mark` marks unused.
 
     The handles are read into C before the allocator's lock, `mark` runs under it, and the
     objects are dropped after it: no Python object is made or freed under the lock (dropping a
@@ -2543,28 +2601,21 @@ cdef int drop_stream_objects(DeviceCachingAllocator a, dict objects, mark_unused
 
 cdef int mark_streams_without_blocks(DeviceCachingAllocator a, vector[uintptr_t]* handles,
                                      vector[char]* unused) except -1:
-    """(Lock held.) The allocation streams of which no block is left; they are no longer kept."""
-    cdef vector[Block*] blocks
+    """(Lock held.) The allocation streams of which no block is left; they are no longer kept.
+
+    Every block is in a segment of its own stream: the segments are counted by stream
+    (segments_by_stream), and the expandable ones are few (one a stream and pool kind), so the
+    cost follows the streams and segments, not the blocks."""
     cdef unordered_set[uintptr_t] in_use
-    cdef Block* b
+    cdef ExpandableSegment* seg
     cdef size_t i
-    collect_blocks(a, &blocks)
-    for b in blocks:
-        in_use.insert(b.stream)
+    for seg in a.st.expandable_segments:
+        in_use.insert(seg.stream)
     for i in range(handles.size()):
-        if not in_use.count(deref(handles)[i]):
+        if not in_use.count(deref(handles)[i]) and not a.segments_by_stream.count(deref(handles)[i]):
             deref(unused)[i] = 1
             a.allocation_streams_kept.erase(deref(handles)[i])
             forget_retiring_stream(a, deref(handles)[i])
-    return 0
-
-
-cdef int mark_streams_without_uses(DeviceCachingAllocator a, vector[uintptr_t]* handles,
-                                   vector[char]* unused) except -1:
-    """(Lock held.) The record_stream pins that no block stream use names any more."""
-    cdef size_t i
-    for i in range(handles.size()):
-        deref(unused)[i] = a.stream_use_counts.count(deref(handles)[i]) == 0
     return 0
 
 
@@ -2657,8 +2708,26 @@ cdef int reap_dropped_streams(DeviceCachingAllocator a) except -1:
 
 
 cdef int prune_stream_pins(DeviceCachingAllocator a) except -1:
-    """Drop the stream objects that no block stream use names any more."""
-    return drop_stream_objects(a, a.stream_pins, mark_streams_without_uses)
+    """Drop the stream objects that no block stream use names any more.
+
+    Only the handles of pins_to_check can have become unused since the last prune (a use count
+    reached zero, or a pin was set), so only they are checked: a free or record_stream costs the
+    same however many pins are alive. (The unlocked read of the list's size is a hint: a stale
+    one leaves the check to the next prune, or takes the locks for nothing.)"""
+    if a.pins_to_check.empty():
+        return 0
+    cdef vector[uintptr_t] handles, unused
+    cdef uintptr_t h
+    with a.pins_lock:
+        lock_allocator(a)
+        handles.swap(a.pins_to_check)
+        for h in handles:
+            if a.stream_use_counts.count(h) == 0:
+                unused.push_back(h)
+        a.mutex.unlock()
+        dropped = [a.stream_pins.pop(h, None) for h in unused]
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
+    return 0
 
 
 cdef int flush_deferred_blocks(DeviceCachingAllocator a) except -1:
@@ -2870,6 +2939,7 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
     collect_blocks(a, &blocks)
     seen = set()
     reserved_by_pool = {}
+    segments_by_stream = {}
     for head in blocks:
         if head.prev != NULL:
             continue
@@ -2916,6 +2986,7 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
             b = b.next
         if not head.expandable:
             recount[ST_SEGMENT][p] += 1     # expandable maps are not counted as segments
+            segments_by_stream[head.stream] = segments_by_stream.get(head.stream, 0) + 1
         recount[ST_RESERVED_BYTES][p] += seg_size
         key = pool_id_tuple(head.pool)
         reserved_by_pool[key] = reserved_by_pool.get(key, 0) + seg_size
@@ -2930,6 +3001,9 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
                 f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {stat_current(&a.st.stats[k], p)}, "
                 f"recount gives {recount[k][p]}")
     assert a.st.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
+    counted = dict(a.segments_by_stream)
+    assert counted == segments_by_stream, (
+        f"segments by stream: counted {counted}, recount gives {segments_by_stream}")
     # Every pool's set must be in best-fit order with current keys (no stale entries), and every
     # private pool must know the bytes its segments hold.
     check_pool_order(a.small_blocks)
