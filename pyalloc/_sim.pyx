@@ -102,6 +102,8 @@ _DRIVER_CALLS = {
     "event_destroy": "cuEventDestroy", "stream_synchronize": "cuStreamSynchronize",
     "device_synchronize": "cuCtxSynchronize", "vm_reserve": "cuMemAddressReserve",
     "vm_release": "cuMemAddressFree", "vm_map": "cuMemCreate", "vm_unmap": "cuMemUnmap",
+    "vm_unmap_keep": "cuMemRetainAllocationHandle", "vm_map_handles": "cuMemMap",
+    "vm_free_handles": "cuMemRelease",
     "capture_begin": "cuStreamBeginCapture", "capture_end": "cuStreamEndCapture",
     "capture_info": "cuStreamGetCaptureInfo", "node_dependencies": "cuGraphNodeGetDependencies",
     "graph_launch": "cuGraphLaunch", "graph_destroy": "cuGraphDestroy",
@@ -186,6 +188,7 @@ cdef class SimDevice(Backend):
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
              "event_query", "event_synchronize", "event_destroy", "stream_synchronize",
              "device_synchronize", "vm_reserve", "vm_release", "vm_map", "vm_unmap",
+             "vm_unmap_keep", "vm_map_handles", "vm_free_handles",
              "capture_begin", "capture_end", "capture_info", "node_dependencies", "graph_launch",
              "graph_destroy", "memory_calls_during_capture", "check_handout",
              "injected_failures"), 0)
@@ -377,6 +380,33 @@ cdef class SimDevice(Backend):
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self._enter_memory("vm_unmap")
         return self._mem.unmap(addr, nbytes)
+
+    cdef int vm_unmap_keep(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles) except -1:
+        self._enter_memory("vm_unmap_keep")
+        self._check_page(page)
+        return self._mem.unmap_keep(addr, count, handles)
+
+    cdef int vm_map_handles(self, uintptr_t addr, size_t page, size_t count,
+                            const uintptr_t* handles) except -1:
+        self._enter_memory("vm_map_handles")
+        self._check_page(page)
+        return self._mem.map_pages(addr, count, handles)
+
+    cdef int vm_free_handles(self, size_t page, size_t count, const uintptr_t* handles) except -1:
+        self._enter_memory("vm_free_handles")
+        self._check_page(page)
+        return self._mem.free_pages(count, handles)
+
+    cdef int _check_page(self, size_t page) except -1:
+        if page != 2 * MiB:
+            raise ValueError(f"SimDevice: physical pages are 2 MiB ({2 * MiB} bytes), got {page}")
+        return 0
+
+    @property
+    def unmapped_pages(self):
+        """Physical pages (2 MiB each) that exist but are mapped nowhere: memory used_memory counts
+        that no address reaches."""
+        return self._mem.unmapped_pages
 
     # ---------------------------------------------------------------- streams and work (_sim_streams)
 

@@ -113,16 +113,36 @@ cdef inline void commit_segment_free(CoreState* st, Block* segment) noexcept nog
 
 
 cdef inline void commit_map(CoreState* st, BlockPool* pool, uintptr_t ptr, size_t size,
-                            uintptr_t stream) noexcept nogil:
-    """Pages [ptr, ptr + size) of an expandable segment of `pool` were mapped."""
-    commit_device_memory(st, pool, <int64_t>size)
+                            uintptr_t stream, size_t created) noexcept nogil:
+    """Pages [ptr, ptr + size) of an expandable segment of `pool` were mapped; `created` bytes of
+    them are new device memory (the rest came from the page pool: see commit_page_pool)."""
+    if created:
+        commit_device_memory(st, pool, <int64_t>created)
     if st.history_on:
         trace(st, TR_SEGMENT_MAP, ptr, size, stream, 0)
 
 
 cdef inline void commit_unmap(CoreState* st, BlockPool* pool, uintptr_t ptr, size_t size,
-                              uintptr_t stream) noexcept nogil:
-    """Pages [ptr, ptr + size) of an expandable segment of `pool` were unmapped."""
-    commit_device_memory(st, pool, -<int64_t>size)
+                              uintptr_t stream, bint kept) noexcept nogil:
+    """Pages [ptr, ptr + size) of an expandable segment of `pool` were unmapped; `kept`: their
+    memory went to the page pool (see commit_page_pool), else back to the device."""
+    if not kept:
+        commit_device_memory(st, pool, -<int64_t>size)
     if st.history_on:
         trace(st, TR_SEGMENT_UNMAP, ptr, size, stream, 0)
+
+
+cdef inline void commit_page_pool(CoreState* st, BlockPool* pool, int64_t delta) noexcept nogil:
+    """recycle_pages: `delta` bytes of pages left `pool`'s mapped pages for the page pool of its
+    size class (delta > 0), or came from there into `pool` (delta < 0). Reserved bytes stay
+    physical: the rows do not change; a private pool stops (or starts) counting the bytes."""
+    if pool.owner != NULL:
+        pool.owner.reserved_bytes -= delta
+
+
+cdef inline void commit_page_pool_release(CoreState* st, bint counted_small, size_t size) noexcept nogil:
+    """recycle_pages: `size` bytes of the page pool's pages of size class `counted_small` went
+    back to the device."""
+    st.total_allocated_memory -= size
+    stat_pool(&st.stats[ST_RESERVED_BYTES], counted_small, -<int64_t>size)
+    st.num_device_free += 1

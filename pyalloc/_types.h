@@ -49,7 +49,8 @@ struct PrivatePool;
 struct ExpandableSegment {
     uintptr_t base;        // first address of the reservation
     size_t size;           // bytes of address space reserved, a multiple of page_size
-    size_t page_size;      // bytes mapped at a time: 2 MiB (small pool) or 20 MiB (large pool)
+    size_t page_size;      // bytes mapped at a time: 2 MiB (small pool) or 20 MiB (large pool);
+                           // 2 MiB in both under recycle_pages
     uintptr_t stream;      // the one stream whose blocks live here
     BlockPool* pool;
     size_t mapped;         // bytes currently mapped (kept by the core's map/unmap)
@@ -411,6 +412,7 @@ struct Settings {
     size_t allowed_memory_maximum = (size_t)-1;  // SIZE_MAX: no per-process limit (0 allows nothing)
     double gc_threshold = 0.0;                   // fraction of allowed_memory_maximum; 0: off
     bool expandable_segments = false;
+    bool recycle_pages = false;                  // recycle_pages (pyalloc only, expandable segments)
     bool release_lock_on_malloc = false;         // release_lock_on_cudamalloc
     bool graph_reuse = false;                    // graph_capture_record_stream_reuse (#162186)
     bool graph_last_use = false;                 // graph_capture_last_use_marks (pyalloc only)
@@ -556,8 +558,13 @@ struct CoreState {
     int64_t num_device_alloc = 0;
     int64_t num_device_free = 0;
     size_t stat_max_split_size = SIZE_MAX;     // as when constructed, like PyTorch
-    size_t total_allocated_memory = 0;         // bytes in live segments and mapped pages
+    size_t total_allocated_memory = 0;         // bytes in live segments, mapped pages and free_pages
     std::vector<ExpandableSegment*> expandable_segments;
+    // recycle_pages: physical pages (backend handles of 2 MiB) mapped nowhere, by the size class
+    // whose maps they serve and whose reserved bytes count them ([0] small_pool, [1] large_pool);
+    // and the pages mapped again from them since construction.
+    std::vector<uintptr_t> free_pages[2];
+    int64_t page_remaps = 0;
     TraceRing history;
 
     CoreState() = default;

@@ -195,6 +195,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         size_t roundup_divisions[16]
         double gc_threshold
         bint expandable_segments
+        bint recycle_pages
         bint release_lock_on_malloc
         bint graph_reuse
         bint graph_last_use
@@ -216,6 +217,8 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         size_t total_allocated_memory
         vector[Block*] spare_blocks
         vector[ExpandableSegment*] expandable_segments
+        vector[uintptr_t] free_pages[2]
+        int64_t page_remaps
         TraceRing history
         bint history_on
         uint32_t skip_actions_mask
