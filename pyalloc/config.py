@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Mapping
 
 __all__ = [
-    "SIZE_MAX", "MiB", "ROUNDUP_POWER2_INTERVALS", "ENV_VARS",
+    "SIZE_MAX", "MiB", "ROUNDUP_POWER2_INTERVALS", "ENV_VARS", "PYALLOC_ONLY_KEYS",
     "ConfigError", "ConfigTokenizer", "AllocatorConfig", "CudaAllocatorConfig",
     "config_from_environment", "resolve_config",
     "current_settings", "set_allocator_settings", "get_allocator_settings",
@@ -50,6 +50,9 @@ MAX_REGISTER_THREADS = 128
 
 # PYALLOC_CONF is ours and wins; then PyTorch's own order (CUDA-specific name first).
 ENV_VARS = ("PYALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# Keys of pyalloc's own, which PyTorch rejects: a setting string with one belongs in PYALLOC_CONF.
+PYALLOC_ONLY_KEYS = ("graph_capture_last_use_marks", "graph_capture_cross_stream_reuse",
+                     "recycle_pages")
 
 _SEPARATORS = ",:[]"
 _GT_OUTSIDE_LIST = "'>' is only valid inside a list: roundup_power2_divisions:[...,>:M]"
