@@ -211,10 +211,17 @@ cdef inline void whole_pages(Block* b, size_t* first, size_t* last) noexcept nog
     last[0] = seg.base + ((offset + b.size) // page) * page
 
 
+cdef struct Taken:
+    ExpandableSegment* seg      # pages [lo, hi) of seg went to the page pool
+    uintptr_t lo
+    uintptr_t hi
+
+
 cdef int recycle_for_growth(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
-                            size_t size) except -1:
+                            size_t size, vector[Taken]* taken) except -1:
     """recycle_pages: before a growth for `size` bytes on `stream` maps pages, unmap into the page
-    pool as many whole free pages as it needs beyond what the pool holds."""
+    pool as many whole free pages as it needs beyond what the pool holds; each range unmapped is
+    appended to *taken (as soon as it is: a failure later in the growth puts them back)."""
     cdef Block* run = existing_run(pool, stream, size)
     cdef size_t need = run_growth(st, pool, stream, size, run)
     cdef size_t have = class_pool_bytes(st, pool)
@@ -227,13 +234,84 @@ cdef int recycle_for_growth(CoreState* st, Backend backend, BlockPool* pool, uin
     backend.device_synchronize()
     cdef size_t want = need - have, first, last, take
     cdef Block* b
+    cdef ExpandableSegment* seg
     for b in victims:
         if want == 0:
             break
         whole_pages(b, &first, &last)
         take = min(last - first, want)
+        seg = b.segment
         unmap_range(st, backend, b, last - take, last, True)
+        taken.push_back(Taken(seg, last - take, last))
         want -= take
+    return 0
+
+
+cdef int put_back(CoreState* st, Backend backend, vector[Taken]* taken) except -1:
+    """Map the ranges of *taken back where they were, from the page pool, newest first: a growth
+    that failed on a driver call then leaves the blocks as they were (trace entries apart)."""
+    cdef Block key
+    cdef UnmappedSet.iterator it
+    cdef Block* u
+    cdef Block* head
+    cdef Taken t
+    cdef size_t i = taken.size()
+    cdef BlockPool* pool
+    while i > 0:
+        i -= 1
+        t = taken[0][i]
+        pool = t.seg.pool
+        key.stream = t.seg.stream
+        key.ptr = t.lo
+        it = pool.unmapped.upper_bound(&key)
+        dec(it)
+        u = deref(it)
+        if u.ptr < t.lo:
+            # Split the unmapped block at lo: its head stays unmapped, before it.
+            pool.unmapped.erase(u)
+            head = new_block(st, u.stream, t.lo - u.ptr, pool, u.ptr)
+            head.mapped = False
+            head.expandable = True
+            head.segment = t.seg
+            head.prev = u.prev
+            head.next = u
+            if u.prev != NULL:
+                u.prev.next = head
+            u.prev = head
+            u.size -= t.lo - u.ptr
+            u.ptr = t.lo
+            pool.unmapped.insert(head)
+            pool.unmapped.insert(u)
+        if map_block(st, backend, u, t.hi - t.lo):
+            st.page_remaps -= <int64_t>((t.hi - t.lo) // t.seg.page_size)
+    taken.clear()
+    return 0
+
+
+cdef int release_emptied(CoreState* st, Backend backend, vector[Taken]* taken) except -1:
+    """Give back the address space of the segments that recycle_for_growth left with nothing
+    mapped (it keeps them until the growth is done, so that put_back can still map there)."""
+    cdef Block key
+    cdef UnmappedSet.iterator it
+    cdef ExpandableSegment* seg
+    cdef Block* b
+    cdef size_t i, j
+    cdef bint seen
+    for i in range(taken.size()):
+        seg = taken[0][i].seg
+        seen = False
+        for j in range(i):
+            seen = seen or taken[0][j].seg == seg
+        if seen or seg.mapped != 0:
+            continue
+        key.stream = seg.stream
+        key.ptr = seg.base
+        it = seg.pool.unmapped.find(&key)
+        if it != seg.pool.unmapped.end():
+            b = deref(it)
+            if b.prev == NULL and b.next == NULL:
+                release_reservation(st, backend, b)
+    taken.clear()
     return 0
 
 
@@ -345,9 +423,24 @@ cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool
     """Grow `stream`'s expandable segment until a free block of `size` bytes exists there:
     0 with *out that block (out of the pool), or BACKEND_OOM. `may_unmap`: no capture is under
     way, so that recycle_pages may unmap free pages for the growth."""
+    if not (st.settings.recycle_pages and may_unmap):
+        return grow(st, backend, pool, stream, size, out)
+    cdef vector[Taken] taken
+    cdef int rc
+    try:
+        recycle_for_growth(st, backend, pool, stream, size, &taken)
+        rc = grow(st, backend, pool, stream, size, out)
+    except BaseException:
+        put_back(st, backend, &taken)
+        raise
+    release_emptied(st, backend, &taken)
+    return rc
+
+
+cdef int grow(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream, size_t size,
+              Block** out) except -1:
+    """try_allocate_expandable_block's growth once the page pool holds what it takes."""
     cdef Block* candidate = NULL
-    if st.settings.recycle_pages and may_unmap:
-        recycle_for_growth(st, backend, pool, stream, size)
     if find_expandable_block(st, backend, pool, stream, size, &candidate) == BACKEND_OOM:
         return BACKEND_OOM
     cdef Block* following
@@ -442,7 +535,7 @@ cdef int unmap_range(CoreState* st, Backend backend, Block* b, uintptr_t first, 
     if keep:
         commit_page_pool(st, pool, <int64_t>(last - first))
     commit_unmap(st, pool, first, last - first, b.stream, keep)
-    if b.prev == NULL and b.next == NULL:
+    if b.prev == NULL and b.next == NULL and not keep:
         # Nothing of the segment is mapped any more: give the address space back.
         release_reservation(st, backend, b)
     return 0

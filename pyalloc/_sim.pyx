@@ -402,6 +402,36 @@ cdef class SimDevice(Backend):
             raise ValueError(f"SimDevice: physical pages are 2 MiB ({2 * MiB} bytes), got {page}")
         return 0
 
+    # The virtual memory calls from Python (counted, and failed by fail_next, as the core's are),
+    # for tests of the device model itself. Sizes in bytes; physical pages by handle (an int).
+
+    def reserve_address_space(self, size_t nbytes):
+        """vm_reserve: the base address of a new reservation of nbytes (whole 2 MiB pages)."""
+        cdef uintptr_t base = 0
+        self.vm_reserve(nbytes, &base)
+        return base
+
+    def map_new_pages(self, uintptr_t addr, size_t nbytes):
+        """vm_map: create and map the pages of [addr, addr + nbytes); False when out of memory."""
+        return self.vm_map(addr, nbytes, 2 * MiB) == BACKEND_OK
+
+    def unmap_keeping_pages(self, uintptr_t addr, size_t count):
+        """vm_unmap_keep: unmap `count` pages from addr; returns their handles, in address order."""
+        cdef vector[uintptr_t] handles
+        handles.resize(count)
+        self.vm_unmap_keep(addr, 2 * MiB, count, handles.data())
+        return list(handles)
+
+    def map_kept_pages(self, uintptr_t addr, handles):
+        """vm_map_handles: map the pages `handles` (mapped nowhere) at addr, addr + 2 MiB, ..."""
+        cdef vector[uintptr_t] h = [int(x) for x in handles]
+        self.vm_map_handles(addr, 2 * MiB, h.size(), h.data())
+
+    def free_kept_pages(self, handles):
+        """vm_free_handles: give the pages `handles` (mapped nowhere) back."""
+        cdef vector[uintptr_t] h = [int(x) for x in handles]
+        self.vm_free_handles(2 * MiB, h.size(), h.data())
+
     @property
     def unmapped_pages(self):
         """Physical pages (2 MiB each) that exist but are mapped nowhere: memory used_memory counts

@@ -71,11 +71,13 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         cppclass iterator:
             Block* operator*()
             iterator operator++()
+            iterator operator--()
             bint operator==(iterator)
             bint operator!=(iterator)
         iterator begin()
         iterator end()
         iterator lower_bound(Block*)
+        iterator upper_bound(Block*)
         iterator find(Block*)
         size_t erase(Block*)
         pair[iterator, bint] insert(Block*)
