@@ -11,7 +11,8 @@ over peak requested) and recycle_pages' page-table calls per 1,000 allocations (
 vm_map_handles calls; unmaps: vm_unmap and vm_unmap_keep calls; pyalloc expandable's in
 brackets).
 
-    python bench/recycle_pages.py            # the table of docs/recycle_pages.md
+    python bench/recycle_pages.py              # the table of docs/recycle_pages.md
+    python bench/recycle_pages.py --choices    # its table of unmap times
     python bench/recycle_pages.py --ops 20000  # a shorter mixed trace
 """
 from __future__ import annotations
@@ -90,6 +91,43 @@ def measure(trace, config: str, history: bool = False):
     return result, maps, unmaps
 
 
+def drive(trace, config: str, release_every: int | None) -> tuple[float, float, float]:
+    """The unmap-time alternatives to recycle_pages' lazy unmap, emulated on one stream: the
+    trace's allocations and frees run through an allocator under `config` (recycle_pages: 2 MiB
+    pages) that calls empty_cache() after every `release_every`-th free (1: at every free), so
+    that the whole free pages are unmapped then and every growth maps pages anew. Returns (peak
+    reserved / peak requested, maps, unmaps per 1,000 allocations)."""
+    from pyalloc import CachingAllocator, SimDevice
+    sim = SimDevice(80 << 30)
+    alloc = CachingAllocator(backend=sim, config=config)
+    live, frees, allocations = {}, 0, 0
+    for e in trace["device_traces"][0]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = alloc.malloc(e["size"])
+            allocations += 1
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            alloc.free(live.pop(e["addr"]))
+            frees += 1
+            if frees % release_every == 0:
+                alloc.empty_cache()
+    stats = alloc.memory_stats()
+    c = sim.counters
+    return (stats["reserved_bytes.all.peak"] / stats["requested_bytes.all.peak"],
+            1000 * (c["vm_map"] + c["vm_map_handles"]) / allocations,
+            1000 * (c["vm_unmap"] + c["vm_unmap_keep"]) / allocations)
+
+
+def choices_row(name: str, trace) -> str:
+    cells = [name]
+    for every in (1, 100):
+        ratio, maps, unmaps = drive(trace, POLICY, every)
+        cells += [f"{ratio:.3f}", f"{maps:.1f} / {unmaps:.1f}"]
+    result, maps, unmaps = measure(trace, POLICY)
+    cells += [f"{result.peak_reserved / result.peak_requested:.3f}",
+              f"{1000 * maps / result.allocations:.1f} / {1000 * unmaps / result.allocations:.1f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def row(name: str, trace) -> str:
     cells = [name]
     requested = None
@@ -112,14 +150,24 @@ def row(name: str, trace) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=200_000, help="operations of the mixed trace")
+    parser.add_argument("--choices", action="store_true",
+                        help="the table of unmap times instead (at every free, every 100th free, lazily)")
     args = parser.parse_args(argv)
+    traces = [(stem, pickle.load(gzip.open(DATA / f"{stem}-default.pickle.gz")))
+              for stem in ("gpt2_train", "resnet_train")]
+    traces.append((f"mixed ({args.ops:,} ops)", mixed_trace(args.ops)))
+    if args.choices:
+        print("| trace | at free: reserved/requested | maps / unmaps per 1,000 allocs "
+              "| every 100th free | maps / unmaps | lazily (recycle_pages) | maps / unmaps |")
+        print("|---|---|---|---|---|---|---|")
+        for name, trace in traces:
+            print(choices_row(name, trace), flush=True)
+        return
     print("| trace | default | split128 | pow2div4 | expandable | recycle_pages | live-page bound "
           "| maps / 1,000 allocs | unmaps / 1,000 allocs | allocations |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for stem in ("gpt2_train", "resnet_train"):
-        trace = pickle.load(gzip.open(DATA / f"{stem}-default.pickle.gz"))
-        print(row(stem, trace), flush=True)
-    print(row(f"mixed ({args.ops:,} ops)", mixed_trace(args.ops)), flush=True)
+    for name, trace in traces:
+        print(row(name, trace), flush=True)
 
 
 if __name__ == "__main__":

@@ -544,13 +544,14 @@ cdef int unmap_range(CoreState* st, Backend backend, Block* b, uintptr_t first, 
 cdef int release_page_pool(CoreState* st, Backend backend) except -1:
     """Give the page pool's physical pages back to the device (recycle_pages; the first step of
     the full flush)."""
-    cdef size_t k, n
+    cdef size_t k
     for k in range(2):
-        n = st.free_pages[k].size()
-        if n:
-            backend.vm_free_handles(kSmallBuffer, n, st.free_pages[k].data())
-            st.free_pages[k].clear()
-            commit_page_pool_release(st, k == 0, n * kSmallBuffer)
+        # A page a call at a time: each page the device took back is off the pool, whatever
+        # fails after it.
+        while not st.free_pages[k].empty():
+            backend.vm_free_handles(kSmallBuffer, 1, &st.free_pages[k].back())
+            st.free_pages[k].pop_back()
+            commit_page_pool_release(st, k == 0, kSmallBuffer)
     return 0
 
 

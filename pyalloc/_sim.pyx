@@ -625,8 +625,12 @@ cdef class SimDevice(Backend):
         X has not completed and that no wait of `stream` reaches (directly or through other
         streams' waits, with a target >= P); or a kernel node of an active capture, unless
         `stream` is in that capture and the node precedes its terminals. (Work queued on
-        `stream` itself runs first, in order. A capture that was invalidated never runs.)"""
+        `stream` itself runs first, in order. A capture that was invalidated never runs.)
+        RuntimeError when a page of the block, in an expandable segment, is not mapped."""
         self.counters["check_handout"] += 1
+        if not self._mem.handout_mapped(ptr, nbytes):
+            raise RuntimeError(f"SimDevice: block {ptr:#x} (+{nbytes} bytes) handed out with a page "
+                               "of its reservation unmapped")
         self._st.check_known(stream, "malloc")
         self._st.check_uses(ptr, nbytes, stream)
         if self._cap.live:

@@ -40,6 +40,7 @@ cdef class AddressSpace:
     cdef int unmap_keep(self, uintptr_t addr, size_t count, uintptr_t* handles) except -1
     cdef int map_pages(self, uintptr_t addr, size_t count, const uintptr_t* handles) except -1
     cdef int free_pages(self, size_t count, const uintptr_t* handles) except -1
+    cdef bint handout_mapped(self, uintptr_t addr, size_t nbytes)
 
     cdef bint _overlaps(self, uintptr_t addr, size_t nbytes)
     cdef size_t _gap_below(self, cppmap[uintptr_t, size_t].iterator it)

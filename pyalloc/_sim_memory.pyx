@@ -321,6 +321,22 @@ cdef class AddressSpace:
             page += GRANULE
         return True
 
+    cdef bint handout_mapped(self, uintptr_t addr, size_t nbytes):
+        """False when [addr, addr + nbytes) lies in a reservation and a page of it is unmapped
+        (memory of segments is always there)."""
+        cdef cppmap[uintptr_t, size_t].iterator it = self.reservations.upper_bound(addr)
+        if it == self.reservations.begin():
+            return True
+        dec(it)
+        if addr >= deref(it).first + deref(it).second:
+            return True
+        cdef uintptr_t page = addr & ~(GRANULE - 1)
+        while page < addr + nbytes:
+            if not self.mapped_pages.count(page):
+                return False
+            page += GRANULE
+        return True
+
     def reservation_list(self):
         """Live reservations as a sorted list of (base address, size_bytes)."""
         return [(p.first, p.second) for p in self.reservations]

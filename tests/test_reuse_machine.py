@@ -39,7 +39,7 @@ MiB = 1 << 20
 REUSE = "graph_capture_record_stream_reuse:True"
 CONFIGS = ["", REUSE, REUSE + ",graph_capture_cross_stream_reuse:True",
            REUSE + ",graph_capture_last_use_marks:True", "expandable_segments:True",
-           "max_split_size_mb:20"]
+           "max_split_size_mb:20", "expandable_segments:True,recycle_pages:True"]
 # Few sizes, mostly small: freed blocks come back often, which is where reuse goes wrong.
 SIZES = st.sampled_from([4 * KiB] * 4 + [512 * KiB, 3 * MiB, 12 * MiB])
 WORKERS = 2
@@ -48,7 +48,7 @@ MODES = ("global", "thread_local", "relaxed")
 # Driver calls the allocator makes that may fail under it (capture begin/end are the program's).
 FAILING_CALLS = ("segment_alloc", "segment_free", "event_create", "event_record", "event_query",
                  "event_destroy", "capture_info", "node_dependencies", "vm_reserve", "vm_map",
-                 "vm_unmap", "vm_release")
+                 "vm_unmap", "vm_release", "vm_unmap_keep", "vm_map_handles", "vm_free_handles")
 FAILING_OPS = ("malloc", "free", "record_stream", "process_events", "empty_cache")
 EXAMPLES = int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "150"))
 
