@@ -983,22 +983,31 @@ cdef class CudaDevice(Backend):
         """Unmap `count` pages mapped by vm_map or vm_map_handles from addr (cuMemUnmap) and keep
         their physical allocations: handles[i] is the page that was at addr + i * page."""
         self._check_open()
+        return self._unmap_range(addr, page, count, handles, True)
+
+    cdef int _unmap_range(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles,
+                          bint keep) except -1:
+        """vm_unmap (keep false: the pages are released too) and vm_unmap_keep: handles[i]
+        receives the page that was at addr + i * page."""
         cdef size_t i
         for i in range(count):
             if self._page_handles.count(addr + i * page) == 0:
-                raise ValueError(f"vm_unmap_keep: page {addr + i * page:#x} is not mapped")
+                raise ValueError(f"vm_unmap: page {addr + i * page:#x} was not mapped by vm_map")
             handles[i] = <uintptr_t>self._page_handles[addr + i * page]
         cdef _Pages pages = _pages(addr, count * page, page,
                                    <cydriver.CUmemGenericAllocationHandle*>handles)
-        pages.kept = True
+        pages.kept = keep
         cdef _Relaxed r
         self._relaxed_call(_unmap_pages, &pages, &r, False)
         check(r.relax, "cuThreadExchangeStreamCaptureMode")    # nothing was unmapped
         check(pages.r_unmap, "cuMemUnmap")
+        # Unmapped: forgotten (or kept), even should a release or the restore fail below.
         for i in range(count):
             self._page_handles.erase(addr + i * page)
-            self._kept_pages.insert(handles[i])
+            if keep:
+                self._kept_pages.insert(handles[i])
         self.mapped_bytes -= count * page
+        check(pages.r_release, "cuMemRelease")
         check(r.restore, "cuThreadExchangeStreamCaptureMode")
         return BACKEND_OK
 
@@ -1059,21 +1068,7 @@ cdef class CudaDevice(Backend):
         # Pages count from the segment's base, which is only granularity-aligned: check sizes.
         if page == 0 or nbytes % page:
             raise ValueError(f"vm_unmap of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
-        cdef size_t count = nbytes // page, i
-        cdef vector[cydriver.CUmemGenericAllocationHandle] handles
-        for i in range(count):
-            if self._page_handles.count(addr + i * page) == 0:
-                raise ValueError(f"vm_unmap: page {addr + i * page:#x} was not mapped by vm_map")
-            handles.push_back(self._page_handles[addr + i * page])
-        cdef _Pages pages = _pages(addr, nbytes, page, handles.data())
-        cdef _Relaxed r
-        self._relaxed_call(_unmap_pages, &pages, &r, False)
-        check(r.relax, "cuThreadExchangeStreamCaptureMode")    # nothing was unmapped
-        check(pages.r_unmap, "cuMemUnmap")
-        # Unmapped: forgotten, even should a release or the restore fail below.
-        for i in range(count):
-            self._page_handles.erase(addr + i * page)
-        self.mapped_bytes -= nbytes
-        check(pages.r_release, "cuMemRelease")
-        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        cdef vector[uintptr_t] handles
+        handles.resize(nbytes // page)
+        self._unmap_range(addr, page, nbytes // page, handles.data(), False)
         return BACKEND_OK

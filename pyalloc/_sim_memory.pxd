@@ -52,6 +52,7 @@ cdef class AddressSpace:
     cdef uintptr_t _first_fit_walk(self, size_t nbytes)
     cdef uintptr_t _top_fit(self, size_t nbytes)
     cdef uintptr_t _top_fit_walk(self, size_t nbytes)
+    cdef int _check_kept(self, size_t count, const uintptr_t* handles, bint to_map) except -1
     cdef int _check_unmapped(self, uintptr_t addr, size_t count) except -1
     cdef int _check_mapped(self, uintptr_t addr, size_t count) except -1
     cdef int _check_range(self, uintptr_t addr, size_t nbytes, str what) except -1

@@ -330,12 +330,7 @@ cdef class AddressSpace:
         dec(it)
         if addr >= deref(it).first + deref(it).second:
             return True
-        cdef uintptr_t page = addr & ~(GRANULE - 1)
-        while page < addr + nbytes:
-            if not self.mapped_pages.count(page):
-                return False
-            page += GRANULE
-        return True
+        return self.is_mapped(addr, nbytes)
 
     def reservation_list(self):
         """Live reservations as a sorted list of (base address, size_bytes)."""
@@ -432,13 +427,9 @@ cdef class AddressSpace:
         """Map existing physical pages mapped nowhere at addr, addr + 2 MiB, ..."""
         self._check_range(addr, count * GRANULE, "map")
         self._check_unmapped(addr, count)
+        self._check_kept(count, handles, True)
         cdef size_t i, j
         for i in range(count):
-            if not self.pages.count(handles[i]):
-                raise RuntimeError(f"SimDevice: map of physical page {handles[i]}, which does not exist")
-            if self.pages[handles[i]] != 0:
-                raise RuntimeError(f"SimDevice: physical page {handles[i]} mapped twice (it is at "
-                                   f"{self.pages[handles[i]]:#x})")
             for j in range(i):
                 if handles[j] == handles[i]:
                     raise RuntimeError(f"SimDevice: physical page {handles[i]} mapped twice in one call")
@@ -449,17 +440,25 @@ cdef class AddressSpace:
 
     cdef int free_pages(self, size_t count, const uintptr_t* handles) except -1:
         """Give back physical pages mapped nowhere."""
+        self._check_kept(count, handles, False)
         cdef size_t i
-        for i in range(count):
-            if not self.pages.count(handles[i]):
-                raise RuntimeError(f"SimDevice: release of physical page {handles[i]}, which does not exist")
-            if self.pages[handles[i]] != 0:
-                raise RuntimeError(f"SimDevice: release of physical page {handles[i]}, still mapped "
-                                   f"at {self.pages[handles[i]]:#x}")
         for i in range(count):
             self.pages.erase(handles[i])
         self.used_memory -= count * GRANULE
         return BACKEND_OK
+
+    cdef int _check_kept(self, size_t count, const uintptr_t* handles, bint to_map) except -1:
+        """Raise unless every page of handles exists and is mapped nowhere (to_map: for a map,
+        else for a release)."""
+        cdef size_t i
+        what = "map" if to_map else "release"
+        for i in range(count):
+            if not self.pages.count(handles[i]):
+                raise RuntimeError(f"SimDevice: {what} of physical page {handles[i]}, which does not exist")
+            if self.pages[handles[i]] != 0:
+                raise RuntimeError(f"SimDevice: {what} of physical page {handles[i]}, still mapped at "
+                                   f"{self.pages[handles[i]]:#x}" + (": mapped twice" if to_map else ""))
+        return 0
 
     cdef int _check_unmapped(self, uintptr_t addr, size_t count) except -1:
         cdef size_t i

@@ -276,50 +276,42 @@ def test_out_of_memory_after_pool_pages_were_mapped_keeps_reserved_physical():
 
 # ------------------------------------------------------------------------------ the device model
 
-def reserved(sim, pages=4):
-    base = sim.reserve_address_space(pages * PAGE)
-    return base
+def device_with_pages(mapped=1, kept=1):
+    """A SimDevice with a 4-page reservation whose first `mapped` pages were mapped, the first
+    `kept` of them then unmapped keeping their memory: (sim, base, their handles)."""
+    sim = SimDevice(GiB)
+    base = sim.reserve_address_space(4 * PAGE)
+    sim.map_new_pages(base, mapped * PAGE)
+    return sim, base, sim.unmap_keeping_pages(base, kept)
 
 
 def test_sim_unmap_keeping_pages_keeps_their_memory():
-    sim = SimDevice(GiB)
-    base = reserved(sim)
-    sim.map_new_pages(base, 2 * PAGE)
-    sim.unmap_keeping_pages(base, 2)
+    sim, _, _ = device_with_pages(2, 2)
     assert (sim.used_memory, sim.mapped_memory, sim.unmapped_pages) == (2 * PAGE, 0, 2)
 
 
 def test_sim_kept_pages_map_again_elsewhere():
-    sim = SimDevice(GiB)
-    base = reserved(sim)
-    sim.map_new_pages(base, PAGE)
-    handles = sim.unmap_keeping_pages(base, 1)
+    sim, base, handles = device_with_pages()
     sim.map_kept_pages(base + 3 * PAGE, handles)
     assert sim.is_mapped(base + 3 * PAGE, PAGE) and not sim.is_mapped(base, PAGE)
 
 
 def test_sim_mapping_a_page_twice_is_an_error():
-    sim = SimDevice(GiB)
-    base = reserved(sim)
-    sim.map_new_pages(base, PAGE)
-    handles = sim.unmap_keeping_pages(base, 1)
+    sim, base, handles = device_with_pages()
     sim.map_kept_pages(base, handles)
     with pytest.raises(RuntimeError, match="mapped twice"):
         sim.map_kept_pages(base + PAGE, handles)
 
 
 def test_sim_mapping_over_a_mapped_address_is_an_error():
-    sim = SimDevice(GiB)
-    base = reserved(sim)
-    sim.map_new_pages(base, 2 * PAGE)
-    handles = sim.unmap_keeping_pages(base, 1)
+    sim, base, handles = device_with_pages(2, 1)
     with pytest.raises(RuntimeError, match="mapped twice"):
         sim.map_kept_pages(base + PAGE, handles)
 
 
 def test_sim_physical_memory_never_exceeds_the_device():
     sim = SimDevice(4 * MiB)
-    base = reserved(sim)
+    base = sim.reserve_address_space(4 * PAGE)
     sim.map_new_pages(base, PAGE)
     sim.unmap_keeping_pages(base, 1)
     sim.map_new_pages(base + PAGE, PAGE)
@@ -327,28 +319,21 @@ def test_sim_physical_memory_never_exceeds_the_device():
 
 
 def test_sim_releasing_a_mapped_page_is_an_error():
-    sim = SimDevice(GiB)
-    base = reserved(sim)
-    sim.map_new_pages(base, PAGE)
-    handles = sim.unmap_keeping_pages(base, 1)
+    sim, base, handles = device_with_pages()
     sim.map_kept_pages(base, handles)
     with pytest.raises(RuntimeError, match="still mapped"):
         sim.free_kept_pages(handles)
 
 
 def test_sim_releasing_kept_pages_gives_their_memory_back():
-    sim = SimDevice(GiB)
-    base = reserved(sim)
-    sim.map_new_pages(base, 2 * PAGE)
-    sim.free_kept_pages(sim.unmap_keeping_pages(base, 2))
+    sim, _, handles = device_with_pages(2, 2)
+    sim.free_kept_pages(handles)
     assert (sim.used_memory, sim.unmapped_pages) == (0, 0)
 
 
 def test_sim_a_failed_unmap_keeps_the_pages_mapped():
-    sim = SimDevice(GiB)
-    base = reserved(sim)
-    sim.map_new_pages(base, PAGE)
+    sim, base, _ = device_with_pages(2, 1)
     sim.fail_next("vm_unmap_keep")
     with pytest.raises(CudaError):
-        sim.unmap_keeping_pages(base, 1)
-    assert sim.is_mapped(base, PAGE)
+        sim.unmap_keeping_pages(base + PAGE, 1)
+    assert sim.is_mapped(base + PAGE, PAGE)
