@@ -150,12 +150,13 @@ def row(name: str, trace) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=200_000, help="operations of the mixed trace")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the mixed trace")
     parser.add_argument("--choices", action="store_true",
                         help="the table of unmap times instead (at every free, every 100th free, lazily)")
     args = parser.parse_args(argv)
     traces = [(stem, pickle.load(gzip.open(DATA / f"{stem}-default.pickle.gz")))
               for stem in ("gpt2_train", "resnet_train")]
-    traces.append((f"mixed ({args.ops:,} ops)", mixed_trace(args.ops)))
+    traces.append((f"mixed ({args.ops:,} ops)", mixed_trace(args.ops, args.seed)))
     if args.choices:
         print("| trace | at free: reserved/requested | maps / unmaps per 1,000 allocs "
               "| every 100th free | maps / unmaps | lazily (recycle_pages) | maps / unmaps |")

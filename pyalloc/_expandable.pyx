@@ -8,12 +8,12 @@ Mapped ranges are ordinary free blocks of the pool (mapped = True); unmapped ran
 the pool's `unmapped` set. Statistics and trace entries go through the commit steps of _state.pxd.
 
 recycle_pages (pyalloc only): pages are 2 MiB in both pools, and the physical pages of a device
-are recycled between its segments, within a size class (small_pool, large_pool: the statistics'
-rows stay those of PyTorch, and a page never moves between them). Whole pages inside free blocks
-of the class's default pool are unmapped into the class's pool of physical pages
-(CoreState.free_pages) lazily: when a segment must grow and the page pool holds fewer pages than
-the growth maps, just enough of them are taken, largest free block first, never from the run
-that the growth maps into. Every map takes pages from the page pool before it creates memory. The page pool's pages count as reserved; release_page_pool (the
+are recycled between its segments, of both size classes. Whole pages inside free blocks of the
+default pools are unmapped into a pool of physical pages (CoreState.free_pages, by the class that
+counts them) lazily: when a segment must grow and the page pool holds fewer pages than the growth
+maps, just enough of them are taken, largest free block first, never from the run that the
+growth maps into. Every map takes pages from the page pool (its own class's first) before it
+creates memory. The page pool's pages count as reserved; release_page_pool (the
 full flush: empty_cache and the out-of-memory ladder) gives them back first. Nothing is unmapped
 while a capture is under way (may_unmap false): a captured graph keeps using the addresses of
 its blocks, and cuMemUnmap synchronizes, which a capture forbids.
@@ -100,11 +100,6 @@ cdef size_t page_pool_bytes(CoreState* st) noexcept nogil:
     return (st.free_pages[0].size() + st.free_pages[1].size()) * kSmallBuffer
 
 
-cdef inline size_t class_pool_bytes(CoreState* st, BlockPool* pool) noexcept nogil:
-    """Bytes in the page pool of `pool`'s size class, the one its maps take from."""
-    return st.free_pages[0 if pool.is_small else 1].size() * kSmallBuffer
-
-
 cdef size_t run_growth(CoreState* st, BlockPool* pool, uintptr_t stream, size_t size,
                        Block* walk) noexcept:
     """Bytes of pages try_allocate_expandable_block maps for `size` bytes on `stream` into the
@@ -134,7 +129,7 @@ cdef size_t expandable_growth_bytes(CoreState* st, BlockPool* pool, uintptr_t st
     cdef size_t need = run_growth(st, pool, stream, size, run)
     if not st.settings.recycle_pages:
         return need
-    cdef size_t have = class_pool_bytes(st, pool)
+    cdef size_t have = page_pool_bytes(st)
     if need <= have:
         return 0
     cdef vector[Block*] victims
@@ -144,9 +139,9 @@ cdef size_t expandable_growth_bytes(CoreState* st, BlockPool* pool, uintptr_t st
 
 cdef size_t recyclable_pages(CoreState* st, BlockPool* pool, uintptr_t stream, size_t size,
                              Block* run, vector[Block*]* victims) noexcept:
-    """The free blocks with whole pages to give to the page pool of `pool`'s size class (those
-    of the default pool of that class's expandable segments), in the order they give them
-    (largest block first), into *victims; returns their whole pages' bytes. Blocks of the run that a growth for `size` bytes on `stream` maps into
+    """The free blocks with whole pages to give to the page pool (those of the default pools'
+    expandable segments), in the order they give them (largest block first), into *victims;
+    returns their whole pages' bytes. Blocks of the run that a growth for `size` bytes on `stream` maps into
     (from `run`, existing_run's answer) are left out: their pages are the growth's own."""
     cdef uintptr_t run_lo = 0, run_hi = 0
     cdef ExpandableSegment* run_seg = NULL
@@ -165,7 +160,7 @@ cdef size_t recyclable_pages(CoreState* st, BlockPool* pool, uintptr_t stream, s
     cdef bint known
     for i in range(st.expandable_segments.size()):
         seg = st.expandable_segments[i]
-        if seg.pool.owner != NULL or seg.pool.is_small != pool.is_small:
+        if seg.pool.owner != NULL:
             continue            # a private pool's pages stay: its graphs may replay into them
         known = False
         for j in range(pools.size()):
@@ -224,7 +219,7 @@ cdef int recycle_for_growth(CoreState* st, Backend backend, BlockPool* pool, uin
     appended to *taken (as soon as it is: a failure later in the growth puts them back)."""
     cdef Block* run = existing_run(pool, stream, size)
     cdef size_t need = run_growth(st, pool, stream, size, run)
-    cdef size_t have = class_pool_bytes(st, pool)
+    cdef size_t have = page_pool_bytes(st)
     if need <= have:
         return 0
     cdef vector[Block*] victims
@@ -365,15 +360,23 @@ cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) e
     cdef size_t page = seg.page_size
     cdef size_t mapped = min(pages_for(size, page), to_map.size)
     cdef size_t reuse = 0, k = 0 if to_map.pool.is_small else 1
-    cdef vector[uintptr_t]* free_pages = &st.free_pages[k]
+    cdef vector[uintptr_t]* own = &st.free_pages[k]
+    cdef vector[uintptr_t]* other = &st.free_pages[1 - k]
     if st.settings.recycle_pages and page == kSmallBuffer:
-        reuse = min(mapped // page, free_pages.size())
+        reuse = min(mapped // page, own.size() + other.size())
     cdef size_t created = mapped - reuse * page
     cdef size_t limit = st.settings.allowed_memory_maximum
     if st.settings.recycle_pages and limit != <size_t>-1 and st.total_allocated_memory + created > limit:
         return 0
-    # The pages to reuse: the pool's last ones, taken off it once everything is mapped.
-    cdef uintptr_t* handles = free_pages.data() + free_pages.size() - reuse
+    # The pages to reuse: the last ones of its own class, then of the other, taken off the pool
+    # once everything is mapped.
+    cdef size_t from_own = min(reuse, own.size()), i
+    cdef vector[uintptr_t] chosen
+    for i in range(from_own):
+        chosen.push_back(own[0][own.size() - from_own + i])
+    for i in range(reuse - from_own):
+        chosen.push_back(other[0][other.size() - (reuse - from_own) + i])
+    cdef uintptr_t* handles = chosen.data()
     if reuse:
         backend.vm_map_handles(to_map.ptr, page, reuse, handles)
     cdef int rc = 0
@@ -389,7 +392,8 @@ cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) e
                 backend.vm_unmap_keep(to_map.ptr, page, reuse, handles)
             return 0
     cdef BlockPool* pool = to_map.pool
-    free_pages.resize(free_pages.size() - reuse)
+    own.resize(own.size() - from_own)
+    other.resize(other.size() - (reuse - from_own))
     pool.unmapped.erase(to_map)
     to_map.mapped = True
     cdef Block* rest
@@ -410,8 +414,10 @@ cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) e
     merge_into(st, to_map, to_map.next)
     pool_insert(pool, to_map)
     seg.mapped += mapped
-    if reuse:
-        commit_page_pool(st, pool, -<int64_t>(reuse * page))
+    if from_own:
+        commit_page_pool(st, pool, pool.is_small, -<int64_t>(from_own * page))
+    if reuse > from_own:
+        commit_page_pool(st, pool, not pool.is_small, -<int64_t>((reuse - from_own) * page))
     st.page_remaps += reuse
     commit_map(st, pool, mapped_at, mapped, to_map.stream, created)
     return 1
@@ -533,7 +539,7 @@ cdef int unmap_range(CoreState* st, Backend backend, Block* b, uintptr_t first, 
     pool.unmapped.insert(b)
     seg.mapped -= last - first
     if keep:
-        commit_page_pool(st, pool, <int64_t>(last - first))
+        commit_page_pool(st, pool, pool.is_small, <int64_t>(last - first))
     commit_unmap(st, pool, first, last - first, b.stream, keep)
     if b.prev == NULL and b.next == NULL and not keep:
         # Nothing of the segment is mapped any more: give the address space back.

@@ -481,6 +481,17 @@ PYALLOC_INLINE void stat_pool(StatRow* row, bool small_pool, int64_t delta) {
     if (delta >= 0) stat_up(row, small_pool ? 1 : 2, delta);
     else stat_down(row, small_pool ? 1 : 2, -delta);
 }
+// `amount` bytes of a row's entry from_slot counted in entry to_slot from now on (recycle_pages: a
+// physical page changes size class): "all" and both entries' cumulative increase and decrease
+// stay as they are (the bases move with the currents), since nothing was allocated or freed.
+PYALLOC_INLINE void stat_move(StatRow* row, int from_slot, int to_slot, int64_t amount) {
+    row->pool[from_slot - 1].current -= amount;
+    row->base[from_slot - 1] -= amount;
+    StatEntry* t = &row->pool[to_slot - 1];
+    t->current += amount;
+    row->base[to_slot - 1] += amount;
+    if (t->current > t->peak) t->peak = t->current;
+}
 // Entry p of a row (0 all, 1 small_pool, 2 large_pool): current, peak, cumulative increase and
 // decrease.
 inline int64_t stat_current(const StatRow* row, int p) {
@@ -561,7 +572,7 @@ struct CoreState {
     size_t total_allocated_memory = 0;         // bytes in live segments, mapped pages and free_pages
     std::vector<ExpandableSegment*> expandable_segments;
     // recycle_pages: physical pages (backend handles of 2 MiB) mapped nowhere, by the size class
-    // whose maps they serve and whose reserved bytes count them ([0] small_pool, [1] large_pool);
+    // whose reserved bytes count them ([0] small_pool, [1] large_pool: where they were mapped);
     // and the pages mapped again from them since construction.
     std::vector<uintptr_t> free_pages[2];
     int64_t page_remaps = 0;

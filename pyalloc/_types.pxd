@@ -159,6 +159,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
     void stat_up(StatRow* row, int pool_slot, int64_t amount)
     void stat_down(StatRow* row, int pool_slot, int64_t amount)
     void stat_pool(StatRow* row, bint small_pool, int64_t delta)
+    void stat_move(StatRow* row, int from_slot, int to_slot, int64_t amount)
     int64_t stat_current(const StatRow* row, int p)
     int64_t stat_peak(const StatRow* row, int p)
     int64_t stat_allocated(const StatRow* row, int p)

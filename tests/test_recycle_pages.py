@@ -174,14 +174,32 @@ def test_nothing_is_unmapped_during_a_capture():
     assert sim.counters["vm_unmap_keep"] == 0 and sim.counters["device_synchronize"] == 0
 
 
-def test_small_and_large_pools_keep_their_own_pages():
+def small_page_from_a_large_hole():
+    """A small-pool growth (4 KiB) that takes one page of a free 8 MiB large-pool block."""
     a, sim = make()
-    smalls = [a.malloc(512 * 1024) for _ in range(8)]   # two small pool pages
-    a.malloc(4 * 1024)
-    for p in smalls:
-        a.free(p)
-    a.malloc(4 * MiB, sim.create_stream())
-    assert sim.counters["vm_unmap_keep"] == 0
+    hole = a.malloc(8 * MiB)
+    a.malloc(4 * MiB)
+    a.free(hole)
+    a.malloc(4096)
+    return a, sim
+
+
+def test_a_small_pool_growth_takes_a_large_pool_page():
+    a, sim = small_page_from_a_large_hole()
+    assert sim.used_memory == 12 * MiB and a.memory_stats()["num_page_remaps"] == 1
+
+
+def test_a_page_that_changes_size_class_moves_between_the_rows():
+    a, _ = small_page_from_a_large_hole()
+    stats = a.memory_stats()
+    assert (stats["reserved_bytes.small_pool.current"], stats["reserved_bytes.large_pool.current"]) == (
+        2 * MiB, 10 * MiB)
+
+
+def test_a_page_that_changes_size_class_is_neither_allocated_nor_freed():
+    a, _ = small_page_from_a_large_hole()
+    stats = a.memory_stats()
+    assert (stats["reserved_bytes.all.allocated"], stats["reserved_bytes.all.freed"]) == (12 * MiB, 0)
 
 
 # ------------------------------------------------------------------------------ releases and limits
@@ -199,18 +217,18 @@ def test_empty_cache_leaves_reserved_equal_to_the_device_memory_used():
 
 
 def test_the_out_of_memory_ladder_releases_the_page_pool():
-    # The device is full (4 MiB live, 8 MiB in the large pool's page pool); a small-pool page
-    # comes only from the pool's memory, given back by the ladder's flush.
     a, sim = pages_left_in_pool()
-    a.malloc(4096)
-    assert a.memory_stats()["page_pool_bytes"] == 0 and a.memory_reserved() == 6 * MiB
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(60 * MiB)                         # no route now: the ladder flushes
+    assert a.memory_stats()["page_pool_bytes"] == 0 and sim.unmapped_pages == 0
 
 
 def test_the_dry_run_counts_the_page_pool():
     a, sim = pages_left_in_pool()
-    dry = a._dry_release_bytes(4096, 0)
+    dry = a._dry_release_bytes(60 * MiB, 0)
     before = a.memory_stats()["reserved_bytes.all.freed"]
-    a.malloc(4096)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(60 * MiB)
     assert dry == a.memory_stats()["reserved_bytes.all.freed"] - before == 8 * MiB
 
 
