@@ -58,7 +58,8 @@ from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLarge
 from pyalloc._state cimport (trace, commit_alloc, commit_free_requested, commit_free_completed,
                              commit_segment_alloc, commit_segment_free)
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, mapped_bytes,
-                                  expandable_growth_bytes,
+                                  expandable_growth_bytes, release_page_pool, page_pool_counts,
+                                  page_pool_bytes,
                                   free_segment_structs)
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
 from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
@@ -431,6 +432,7 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             divs[i] = divisions[i]
         cdef bint expandable = settings.expandable_segments
+        cdef bint recycle = getattr(settings, "recycle_pages", False)
         cdef bint release_lock = getattr(settings, "release_lock_on_cudamalloc", False)
         cdef bint graph_reuse = getattr(settings, "graph_capture_record_stream_reuse", False)
         cdef bint graph_last_use = getattr(settings, "graph_capture_last_use_marks", False)
@@ -446,6 +448,7 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             self.st.settings.roundup_divisions[i] = divs[i]
         self.st.settings.expandable_segments = expandable
+        self.st.settings.recycle_pages = recycle and expandable
         self.mutex.unlock()
 
     def _init_stat_max_split_size(self):
@@ -879,7 +882,7 @@ cdef class DeviceCachingAllocator:
                 rc = 0
                 if nbytes > have:
                     rc = try_allocate_expandable_block(&self.st, self.backend, pool, stream,
-                                                       nbytes - have, &b)
+                                                       nbytes - have, self.capture_routes == 0, &b)
                     if rc == BACKEND_OOM:
                         record_oom(self, nbytes - have, nbytes - have, stream, 0)
                     else:
@@ -916,6 +919,9 @@ cdef class DeviceCachingAllocator:
         counters[3] = self.st.num_device_alloc
         counters[4] = self.st.num_device_free
         max_split = self.st.stat_max_split_size
+        cdef bint recycle = self.st.settings.recycle_pages
+        cdef int64_t pool_bytes = 0, remaps = 0
+        page_pool_counts(&self.st, &pool_bytes, &remaps)
         self.mutex.unlock()
         out = {}
         for k in range(NUM_STATS):
@@ -935,6 +941,9 @@ cdef class DeviceCachingAllocator:
                                   "num_device_alloc", "num_device_free")):
             out[name] = counters[k]
         out["max_split_size"] = -1 if max_split == kSizeMax else max_split
+        if recycle:     # recycle_pages: reserved_bytes count these pool bytes too
+            out["page_pool_bytes"] = pool_bytes
+            out["num_page_remaps"] = remaps
         return dict(sorted(out.items()))
 
     def memory_allocated(self):
@@ -2060,10 +2069,13 @@ cdef int alloc_block(DeviceCachingAllocator a, BlockPool* pool, uintptr_t stream
     if is_retry:
         a.st.num_alloc_retries += 1
     cdef size_t limit = a.st.settings.allowed_memory_maximum
-    if limit != kSizeMax and a.st.total_allocated_memory + alloc_size > limit:
+    # (recycle_pages: the expandable growth checks the limit against the memory it creates)
+    if (limit != kSizeMax and not a.st.settings.recycle_pages
+            and a.st.total_allocated_memory + alloc_size > limit):
         return BACKEND_OOM
     if a.st.settings.expandable_segments:
-        return try_allocate_expandable_block(&a.st, a.backend, pool, stream, size, out)
+        return try_allocate_expandable_block(&a.st, a.backend, pool, stream, size,
+                                             a.capture_routes == 0, out)
     cdef uintptr_t ptr = 0
     cdef int rc
     if a.st.settings.release_lock_on_malloc:
@@ -2129,7 +2141,9 @@ cdef int release_blocks(DeviceCachingAllocator a, BlockPool* pool) except -1:
 
 cdef int release_cached_blocks(DeviceCachingAllocator a) except -1:
     """PyTorch's release_cached_blocks({0, 0}): with no route active, wait for every event and
-    release the default pools' unsplit cached segments; then release every freeable private pool."""
+    release the default pools' unsplit cached segments; then release every freeable private pool.
+    recycle_pages' page pool goes first (its pages are mapped nowhere: no capture uses them)."""
+    release_page_pool(&a.st, a.backend)
     if a.captures_underway.empty():
         synchronize_and_free_events(a)
         release_blocks(a, a.large_blocks)
@@ -2282,7 +2296,7 @@ cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
     # growth maps now (the same walk as the real allocation). The steps that test it change no
     # expandable segment (GC and the max_split_size release skip them), and the full flush,
     # which does, is the last step: what it releases is released whether the retry fits or not.
-    cdef size_t physical = (expandable_growth_bytes(pool, stream, size) if s.expandable_segments
+    cdef size_t physical = (expandable_growth_bytes(&a.st, pool, stream, size) if s.expandable_segments
                             else alloc_size)
     cdef size_t free_bytes = 0, total_bytes = 0
     a.backend.memory_info(&free_bytes, &total_bytes)
@@ -2358,8 +2372,9 @@ cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
             gone.insert(deref(it))
             if dry_alloc_fits(s, reserved - released, alloc_size, free_bytes + released, physical):
                 return released
-    # release_cached_blocks: every unsplit cached segment of the default pools, and the whole
-    # pages inside free expandable blocks.
+    # release_cached_blocks: the page pool, every unsplit cached segment of the default pools,
+    # and the whole pages inside free expandable blocks.
+    released += page_pool_bytes(&a.st)
     cdef BlockPool* pools[2]
     pools[0] = a.large_blocks
     pools[1] = a.small_blocks
@@ -2385,7 +2400,8 @@ cdef inline bint dry_alloc_fits(Settings* s, size_t reserved, size_t alloc_size,
                                 size_t physical) noexcept:
     """Whether alloc_block would get `alloc_size` bytes with `reserved` bytes held and
     `free_bytes` free on the device (`physical`: the bytes the device must have free)."""
-    if s.allowed_memory_maximum != kSizeMax and reserved + alloc_size > s.allowed_memory_maximum:
+    if (s.allowed_memory_maximum != kSizeMax
+            and reserved + (physical if s.recycle_pages else alloc_size) > s.allowed_memory_maximum):
         return False
     return physical <= free_bytes
 
@@ -2995,6 +3011,9 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
                 f"expandable segment {head.segment.base:#x} counts {head.segment.mapped} mapped "
                 f"bytes, its blocks {seg_size}")
     for k in range(NUM_STATS):
+        if k == ST_RESERVED_BYTES:      # recycle_pages' page pool, by the class that counts it
+            recount[k][1] += a.st.free_pages[0].size() * kSmallBuffer
+            recount[k][2] += a.st.free_pages[1].size() * kSmallBuffer
         recount[k][0] = recount[k][1] + recount[k][2]
         for p in range(3):
             assert recount[k][p] == stat_current(&a.st.stats[k], p), (
