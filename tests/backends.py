@@ -18,9 +18,7 @@ import ctypes
 import threading
 import time
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 WATCHDOG_S = 1.0
 

@@ -1,7 +1,7 @@
 """Helpers shared by the private-pool and graph tests (a module, not a conftest: imported by name)."""
 from pyalloc import CachingAllocator, SimDevice
 
-GiB = 1 << 30
+from units import GiB
 
 
 def make(config="", total_memory=80 * GiB, check_reuse=False):

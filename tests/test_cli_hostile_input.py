@@ -18,7 +18,7 @@ from pyalloc import __main__ as cli
 from pyalloc import snapshot as snapshot_module
 from pyalloc.snapshot import load
 
-MiB = 1 << 20
+from units import MiB
 
 
 def entry(action="alloc", addr=1 << 30, size=4096, **fields):

@@ -19,9 +19,7 @@ import pytest
 from pyalloc import Buffer, CachingAllocator, OutOfMemoryError, SimDevice
 from backends import CudaTestDevice, cuda_unavailable_reason
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
               "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")

@@ -9,7 +9,7 @@ import pyalloc
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 from pyalloc.snapshot import DEFAULT_MAX_ENTRIES, SKIPPABLE_ACTIONS
 
-MiB = 1 << 20
+from units import MiB
 SMALL_SEGMENT = 2 * MiB       # a small-pool segment (requests up to 1 MiB)
 LARGE_SEGMENT = 20 * MiB      # a large-pool segment for requests in (1 MiB, 10 MiB)
 

@@ -17,9 +17,7 @@ from pyalloc import CachingAllocator, MemPool, OutOfMemoryError, SimDevice
 from pyalloc._core import current_thread_key
 from pool_helpers import make, pool_of
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 
 

@@ -59,9 +59,7 @@ from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 
 from backends import cuda_unavailable_reason
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 CONFIGS = [
     "",

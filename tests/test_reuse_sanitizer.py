@@ -10,8 +10,7 @@ import pytest
 from pyalloc import CachingAllocator, SimDevice
 from pyalloc.errors import ReuseError
 
-KiB = 1 << 10
-MiB = 1 << 20
+from units import KiB, MiB
 P = 0x10000          # an address the tests' kernels use; the sanitizer never dereferences it
 N = 4 * KiB
 

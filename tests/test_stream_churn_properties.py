@@ -28,8 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pyalloc import CachingAllocator, SimDevice
 
-KiB = 1 << 10
-MiB = 1 << 20
+from units import KiB, MiB
 SIZES = st.sampled_from([4 * KiB, 512 * KiB, 1 * MiB, 3 * MiB, 12 * MiB])
 MAX_STREAMS = 4
 

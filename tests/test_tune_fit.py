@@ -15,7 +15,7 @@ from pyalloc.replay import (allowed_bytes, classify_releases, fit_device_memory,
                             replay)
 from pyalloc.tune import format_report, tune
 
-MiB = 1 << 20
+from units import MiB
 DATA = Path(__file__).resolve().parent / "data"
 TIGHT = DATA / "oom" / "tight-fraction.pickle.gz"
 ORACLE = DATA / "oom" / "oracle-default.pickle.gz"
