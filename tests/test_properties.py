@@ -58,6 +58,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 
 from backends import cuda_unavailable_reason
+from budget import examples
 
 from units import KiB, MiB, GiB
 
@@ -673,7 +674,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "1200")), stateful_step_count=50, deadline=None,
+    max_examples=examples(quick=200, thorough=1200), stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 TestAllocatorMachine = AllocatorMachine.TestCase
