@@ -1,5 +1,5 @@
 """The conformance suite's CUDA backend without a GPU: the [cuda] cases of tests/test_core.py and
-tests/test_pools.py (HARNESS_FILES) and the
+tests/test_pools.py and tests/test_history.py (HARNESS_FILES) and the
 property state machine's CUDA variant (tests/test_properties.py, CudaAllocatorMachine) run over
 CudaDevice against the fake driver (tests/fake_libcuda.c, compiled here into a libcuda.so.1 that
 cuda-bindings loads in place of the real one).
@@ -49,7 +49,7 @@ def run_child(fake_env, name, *args):
 # The files that run through the conformance harness (tests/backends.py), each with the fewest
 # [cuda] cases it has and the fewest of them that must run (not @sim_only): a file that stops
 # running through the harness, or marks most of itself sim-only, fails here.
-HARNESS_FILES = {"test_core.py": (150, 100), "test_pools.py": (50, 40)}
+HARNESS_FILES = {"test_core.py": (150, 100), "test_pools.py": (50, 40), "test_history.py": (70, 60)}
 
 
 @pytest.fixture(scope="module", params=sorted(HARNESS_FILES))
