@@ -223,10 +223,11 @@ def long_trace(tmp_path_factory):
 def test_ctrl_c_stops_tune_fit_at_once_and_leaves_no_process(tmp_path, long_trace, whom):
     import signal
     import time
-    # Enough rows that the run takes far longer than the wait below on a fast machine (with 3
-    # rows a quiet CI machine finished the whole run within the old fixed 4 s wait).
-    configs = [a for mb in (32, 48, 64, 96, 128, 192, 256, 384, 512, 768)
-               for a in ("--config", f"max_split_size_mb:{mb}")]
+    # Enough rows that the run takes far longer than the waits below on a fast machine (with 3
+    # rows a quiet CI machine finished the whole run within the old fixed 4 s wait) and on a
+    # loaded one (with 10, a 2-core machine at load 8 finished before the signal, exit status 0).
+    # More rows cost nothing: the run is interrupted.
+    configs = [a for mb in range(32, 32 + 60 * 16, 16) for a in ("--config", f"max_split_size_mb:{mb}")]
     proc = subprocess.Popen([sys.executable, "-m", "pyalloc", "tune", str(long_trace), "--fit",
                              "--jobs", "2", *configs], cwd=tmp_path, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
