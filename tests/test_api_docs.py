@@ -55,7 +55,9 @@ def test_compiled_classes_have_their_constructors_signature(cls, expected):
     assert str(inspect.signature(cls)) == expected
 
 
-def test_help_of_a_compiled_class_shows_its_docstring_after_the_signature():
+def test_help_of_a_compiled_class_shows_its_signature_then_its_docstring():
+    text = pydoc.render_doc(SimDevice, renderer=pydoc.plaintext)
+    assert "|  SimDevice(total_memory=85899345920, *, device=0," in text
     doc = inspect.getdoc(SimDevice)
     assert doc.startswith("A simulated device.") and "\n--\n" not in doc
 
