@@ -48,6 +48,9 @@ _FREE_ACTIONS = frozenset(("free_requested", "free_completed"))
 class SnapshotError(ValueError):
     """A file is not a readable memory snapshot."""
 
+    def __init__(self, message):     # spelled out for inspect.signature (see errors.NoCudaDriverError)
+        super().__init__(message)
+
 
 # ------------------------------------------------------------------------------- history settings
 

@@ -78,12 +78,30 @@ def test_buffer_accepts_its_signatures_parameters_by_name():
     b.close()
 
 
+# The submodules a user imports for more than pyalloc's own names (the framework hooks aside).
+SUBMODULES = ("config", "snapshot", "replay", "tune", "view", "cuda_backend", "graphs", "errors",
+              "allocator")
+
+
+def public_names():
+    """(dotted name, object): pyalloc.__all__, the public names SUBMODULES define (or list in
+    __all__), and the CUDA backend's class."""
+    import importlib
+    names = [(name, getattr(pyalloc, name)) for name in pyalloc.__all__]
+    for sub in SUBMODULES:
+        module = importlib.import_module(f"pyalloc.{sub}")
+        for name in getattr(module, "__all__", None) or sorted(vars(module)):
+            obj = getattr(module, name)
+            if not name.startswith("_") and str(getattr(obj, "__module__", "")).startswith("pyalloc"):
+                names.append((f"{sub}.{name}", obj))
+    return names + [("cuda_backend.CudaDevice", CudaDevice)]
+
+
 def public_callables():
-    """(name, object) for every public name of pyalloc and every public method of its classes
-    (exception classes: the class only), and the CUDA backend's class."""
+    """(name, object) for every public name (public_names) and every public method of its
+    classes (exception classes: the class only)."""
     found = []
-    for name in pyalloc.__all__ + ["cuda_backend.CudaDevice"]:
-        obj = CudaDevice if name == "cuda_backend.CudaDevice" else getattr(pyalloc, name)
+    for name, obj in public_names():
         if not callable(obj):
             continue
         found.append((name, obj))
@@ -109,7 +127,8 @@ def test_every_public_callable_of_pyalloc_has_a_signature():
 def test_the_signature_check_covers_the_compiled_classes_and_their_methods():
     names = {name for name, _ in public_callables()}
     assert {"SimDevice", "Buffer", "CachingAllocator", "cuda_backend.CudaDevice", "SimDevice.launch",
-            "CachingAllocator.malloc", "Buffer.close", "NoCudaDriverError"} <= names
+            "CachingAllocator.malloc", "Buffer.close", "NoCudaDriverError", "allocator.Backend",
+            "snapshot.SnapshotError", "tune.tune", "config.CudaAllocatorConfig"} <= names
 
 
 def test_a_bound_compiled_method_has_its_signature_without_self():
