@@ -1,5 +1,5 @@
-"""The conformance suite's CUDA backend without a GPU: the [cuda] cases of tests/test_core.py and
-tests/test_pools.py and tests/test_history.py (HARNESS_FILES) and the
+"""The conformance suite's CUDA backend without a GPU: the [cuda] cases of the files that run
+through the harness (HARNESS_FILES: tests/test_core.py, test_pools.py, test_history.py) and the
 property state machine's CUDA variant (tests/test_properties.py, CudaAllocatorMachine) run over
 CudaDevice against the fake driver (tests/fake_libcuda.c, compiled here into a libcuda.so.1 that
 cuda-bindings loads in place of the real one).
