@@ -13,6 +13,7 @@ import pytest
 from pyalloc.__main__ import main
 from pyalloc.replay import (allowed_bytes, classify_releases, fit_device_memory, recorded_oom,
                             replay)
+from pyalloc import tune as tune_module
 from pyalloc.tune import format_report, tune
 
 from units import MiB
@@ -263,3 +264,24 @@ def test_tune_derives_the_same_device_whether_the_runs_fraction_is_in_its_settin
     found = tune(in_setting, grid=None, jobs=1, snapshot=in_setting)
     assert found.device_memory_derived and given.device_memory_derived
     assert found.device_memory == given.device_memory
+
+
+def test_terminating_tunes_pool_waits_for_its_manager_thread(monkeypatch):
+    # Else interpreter exit races the thread's closing of its wakeup pipe, and Ctrl-C printed
+    # "Exception ignored ... Bad file descriptor" after "pyalloc: interrupted". The thread is
+    # made slow to wind down, so that returning without waiting for it shows every time.
+    import time
+    from concurrent.futures import ProcessPoolExecutor, process
+    wind_down = process._ExecutorManagerThread.join_executor_internals
+
+    def slow_wind_down(self):
+        time.sleep(0.5)
+        wind_down(self)
+    monkeypatch.setattr(process._ExecutorManagerThread, "join_executor_internals", slow_wind_down)
+    pool = ProcessPoolExecutor(max_workers=2)
+    futures = [pool.submit(time.sleep, 30) for _ in range(4)]
+    while not any(f.running() for f in futures):
+        time.sleep(0.01)
+    manager = pool._executor_manager_thread
+    tune_module._terminate(pool)
+    assert not manager.is_alive()
