@@ -223,15 +223,30 @@ def long_trace(tmp_path_factory):
 @pytest.mark.parametrize("whom", ["group", "main"])
 def test_ctrl_c_stops_tune_fit_at_once_and_leaves_no_process(tmp_path, long_trace, whom):
     import signal
-    import time
-    # Enough rows that the run takes far longer than the waits below on a fast machine (with 3
-    # rows a quiet CI machine finished the whole run within the old fixed 4 s wait) and on a
-    # loaded one (with 10, a 2-core machine at load 8 finished before the signal, exit status 0).
-    # More rows cost nothing: the run is interrupted.
-    configs = [a for mb in range(32, 32 + 60 * 16, 16) for a in ("--config", f"max_split_size_mb:{mb}")]
+    # Enough rows that the run takes far longer than the wait below on a fast machine (with 3
+    # rows a quiet CI machine finished the whole run within the old fixed 4 s wait).
+    configs = [a for mb in (32, 48, 64, 96, 128, 192, 256, 384, 512, 768)
+               for a in ("--config", f"max_split_size_mb:{mb}")]
+    # The child gets SIGINT's default action: a suite started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt (the run finished, exit status 0, and the test failed).
     proc = subprocess.Popen([sys.executable, "-m", "pyalloc", "tune", str(long_trace), "--fit",
                              "--jobs", "2", *configs], cwd=tmp_path, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        interrupt_and_check(proc, whom)
+    finally:
+        if proc.poll() is None:          # a failed check leaves no run behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def interrupt_and_check(proc, whom):
+    """Wait for tune's workers, send SIGINT (to the group, or the main process only), and check
+    that the run stops at once, says so in one line, exits 130 and leaves no process."""
+    import signal
+    import time
 
     def workers():
         ps = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True)
