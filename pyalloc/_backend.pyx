@@ -66,6 +66,16 @@ cdef class Backend:
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
         raise NotImplementedError(f"{type(self).__name__} has no virtual memory operations")
 
+    cdef int vm_unmap_keep(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot keep physical pages apart from addresses")
+
+    cdef int vm_map_handles(self, uintptr_t addr, size_t page, size_t count,
+                            const uintptr_t* handles) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot keep physical pages apart from addresses")
+
+    cdef int vm_free_handles(self, size_t page, size_t count, const uintptr_t* handles) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot keep physical pages apart from addresses")
+
     cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
         raise NotImplementedError(f"{type(self).__name__} cannot capture streams")
 

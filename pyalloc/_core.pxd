@@ -31,7 +31,12 @@ cdef class DeviceCachingAllocator:
     cdef BlockPool* large_blocks
     cdef ActiveMap active_blocks                      # ptr -> block handed out or awaiting events
     cdef size_t outstanding_events
-    cdef vector[Route] captures_underway              # newest last; scanned newest first
+    cdef vector[Route] captures_underway              # newest last
+    # The same routes indexed, so that routing an allocation reads this thread's routes and the
+    # capture routes, not every thread's (routed_pool): by thread key (oldest first), and by seq.
+    cdef unordered_map[uint64_t, vector[Route]] thread_routes
+    cdef cppmap[uint64_t, Route] capture_routes_by_seq
+    cdef uint64_t last_route_seq
     cdef int capture_routes                           # routes of kind ROUTE_CAPTURE active
     cdef public bint capture_alloc_stacks              # set by the snapshot layer
     cdef public bint capture_free_stacks               # also capture the stack of each free()
@@ -47,15 +52,25 @@ cdef class DeviceCachingAllocator:
     # stream objects record_stream was given, kept alive while a use names them (see record_stream).
     cdef unordered_map[uintptr_t, size_t] stream_use_counts
     cdef dict stream_pins                             # handle -> stream object
+    # Handles whose use count reached zero while a pin may name them (and each newly pinned
+    # handle): the only pins a prune checks, so that a free costs the same however many pins
+    # are alive (prune_stream_pins).
+    cdef vector[uintptr_t] pins_to_check
     # Allocation streams given as objects (framework hooks, malloc(n, stream_obj)): kept alive while
     # the allocator holds blocks of theirs, so that their handle is not handed to a new stream while
     # memory cached for the old one may still be in use by its queued work (see keep_allocation_stream).
     cdef unordered_set[uintptr_t] allocation_streams_kept
     cdef dict allocation_stream_objects               # handle -> stream object
     cdef object pins_lock                             # orders changes of the two dicts above
+    cdef size_t streams_since_reap                    # new allocation streams since the last reap
     # Allocation streams the program has dropped (only the allocator holds their object): an event
     # recorded on each; once it completes, the object is let go (reap_dropped_streams).
     cdef unordered_map[uintptr_t, uintptr_t] retiring_streams     # handle -> event
+    # Segments (not expandable) held, by stream: every block belongs to a segment of its stream,
+    # so a stream has a block while it counts one here or owns an expandable segment
+    # (mark_streams_without_blocks). Updated where segments come and go, and where one changes
+    # streams (cross-stream reuse in a capture).
+    cdef unordered_map[uintptr_t, size_t] segments_by_stream
 
     # private pools (MemPools, graph pools) and the routes into them
     cdef cppmap[MempoolId, PrivatePool*] graph_pools

@@ -58,7 +58,8 @@ from pyalloc._policy cimport (kMinBlockSize, kSmallSize, kSmallBuffer, kMinLarge
 from pyalloc._state cimport (trace, commit_alloc, commit_free_requested, commit_free_completed,
                              commit_segment_alloc, commit_segment_free)
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, mapped_bytes,
-                                  expandable_growth_bytes,
+                                  expandable_growth_bytes, release_page_pool, page_pool_counts,
+                                  page_pool_bytes,
                                   free_segment_structs)
 from pyalloc._validate cimport stream_handle, device_pointer, request_size
 from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
@@ -380,7 +381,11 @@ cdef class DeviceCachingAllocator:
         cached for the old one while that work may still use them. Released by empty_cache once
         no block of the stream is left, or once the program has dropped it and its work is done
         (reap_dropped_streams, run here when the stream is new: callers keep a stream before
-        allocating for it, so that a failure there allocates nothing). (Stream 0 never dies;
+        allocating for it, so that a failure there allocates nothing). A reap reads every kept
+        object, so it runs once the streams new since the last one number as many as the objects
+        kept before them: a new stream costs the same however many are kept, and a dropped stream
+        is let go within about three times as many new streams as were kept when it was dropped
+        (process_events() reaps at once). (Stream 0 never dies;
         keeping an object of the other never-dying handles, CUDA's 1 and 2, costs nothing.)"""
         if stream == 0:
             return 0
@@ -395,7 +400,10 @@ cdef class DeviceCachingAllocator:
                 self.allocation_stream_objects[stream] = stream_object
             # A new stream: the program may be making streams and dropping them (CuPy destroys a
             # stream when its object dies), so let go of the ones it has dropped.
-            if len(self.allocation_stream_objects) > 1:
+            self.streams_since_reap += 1
+            if (len(self.allocation_stream_objects) > 1
+                    and 2 * self.streams_since_reap >= <size_t>len(self.allocation_stream_objects)):
+                self.streams_since_reap = 0
                 reap_dropped_streams(self)
         return 0
 
@@ -427,6 +435,7 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             divs[i] = divisions[i]
         cdef bint expandable = settings.expandable_segments
+        cdef bint recycle = getattr(settings, "recycle_pages", False)
         cdef bint release_lock = getattr(settings, "release_lock_on_cudamalloc", False)
         cdef bint graph_reuse = getattr(settings, "graph_capture_record_stream_reuse", False)
         cdef bint graph_last_use = getattr(settings, "graph_capture_last_use_marks", False)
@@ -442,6 +451,7 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             self.st.settings.roundup_divisions[i] = divs[i]
         self.st.settings.expandable_segments = expandable
+        self.st.settings.recycle_pages = recycle and expandable
         self.mutex.unlock()
 
     def _init_stat_max_split_size(self):
@@ -577,6 +587,11 @@ cdef class DeviceCachingAllocator:
         if pin:
             with self.pins_lock:
                 self.stream_pins[s] = stream
+                # Its use may be over already (another thread freed the block meanwhile, before
+                # the pin existed): the next prune checks it.
+                lock_allocator(self)
+                self.pins_to_check.push_back(s)
+                self.mutex.unlock()
         if self.stream_pins:
             prune_stream_pins(self)
 
@@ -714,9 +729,14 @@ cdef class DeviceCachingAllocator:
                     raise RuntimeError(
                         f"beginAllocateToPool: already recording to mempool_id {tuple(pool_id)}")
             route.pool = create_or_incref_pool(self, pid)
+            route.seq = self.last_route_seq + 1
             self.captures_underway.push_back(route)
+            self.last_route_seq = route.seq
             if route.kind == ROUTE_CAPTURE:
+                self.capture_routes_by_seq[route.seq] = route
                 self.capture_routes += 1
+            else:
+                self.thread_routes[route.value].push_back(route)
         finally:
             self.mutex.unlock()
 
@@ -738,6 +758,9 @@ cdef class DeviceCachingAllocator:
                     # wait for the post-capture path (events once no route is active).
                     self.reuse_contexts.erase(route.value)
                     self.capture_routes -= 1
+                    self.capture_routes_by_seq.erase(route.seq)
+                else:
+                    forget_thread_route(self, route)
                 self.captures_underway.erase(self.captures_underway.begin() + i)
                 if self.captures_underway.empty() and not self.deferred_blocks.empty():
                     # No route is left: deferred blocks get their events now (PyTorch does this
@@ -862,7 +885,7 @@ cdef class DeviceCachingAllocator:
                 rc = 0
                 if nbytes > have:
                     rc = try_allocate_expandable_block(&self.st, self.backend, pool, stream,
-                                                       nbytes - have, &b)
+                                                       nbytes - have, self.capture_routes == 0, &b)
                     if rc == BACKEND_OOM:
                         record_oom(self, nbytes - have, nbytes - have, stream, 0)
                     else:
@@ -899,6 +922,9 @@ cdef class DeviceCachingAllocator:
         counters[3] = self.st.num_device_alloc
         counters[4] = self.st.num_device_free
         max_split = self.st.stat_max_split_size
+        cdef bint recycle = self.st.settings.recycle_pages
+        cdef int64_t pool_bytes = 0, remaps = 0
+        page_pool_counts(&self.st, &pool_bytes, &remaps)
         self.mutex.unlock()
         out = {}
         for k in range(NUM_STATS):
@@ -918,6 +944,9 @@ cdef class DeviceCachingAllocator:
                                   "num_device_alloc", "num_device_free")):
             out[name] = counters[k]
         out["max_split_size"] = -1 if max_split == kSizeMax else max_split
+        if recycle:     # recycle_pages: reserved_bytes count these pool bytes too
+            out["page_pool_bytes"] = pool_bytes
+            out["num_page_remaps"] = remaps
         return dict(sorted(out.items()))
 
     def memory_allocated(self):
@@ -1568,23 +1597,44 @@ cdef Block* raise_not_allocated(DeviceCachingAllocator a, uintptr_t ptr, bint kn
 
 cdef PrivatePool* routed_pool(DeviceCachingAllocator a, uintptr_t stream) except? NULL:
     """The pool of the newest route whose filter accepts an allocation on `stream` by this
-    thread, or NULL (the default pools)."""
-    cdef size_t i = a.captures_underway.size()
+    thread, or NULL (the default pools).
+
+    This thread's newest route (thread_routes), unless a capture route newer than it accepts
+    the stream's capture: the capture routes newer than it are tried newest first, and the
+    stream's capture is asked for (once) only when there is one. Other threads' routes are not
+    read, so the cost does not grow with how many are open."""
     cdef uint64_t me = thread_key_now()
+    cdef uint64_t mine = 0                  # seq of this thread's newest route; 0: none
+    cdef PrivatePool* pool = NULL
     cdef unsigned long long capture_id
     cdef vector[uintptr_t] terminals
     cdef int capturing = -1
-    while i > 0:
-        i -= 1
-        if a.captures_underway[i].kind == ROUTE_THREAD:
-            if a.captures_underway[i].value == me:
-                return a.captures_underway[i].pool
-        else:
-            if capturing < 0:
-                capturing = a.backend.capture_info(stream, &capture_id, &terminals)
-            if capturing and capture_id == a.captures_underway[i].value:
-                return a.captures_underway[i].pool
-    return NULL
+    cdef unordered_map[uint64_t, vector[Route]].iterator own = a.thread_routes.find(me)
+    if own != a.thread_routes.end():
+        mine = deref(own).second.back().seq
+        pool = deref(own).second.back().pool
+    cdef cppmap[uint64_t, Route].reverse_iterator it = a.capture_routes_by_seq.rbegin()
+    while it != a.capture_routes_by_seq.rend() and deref(it).first > mine:
+        if capturing < 0:
+            capturing = a.backend.capture_info(stream, &capture_id, &terminals)
+        if capturing and capture_id == deref(it).second.value:
+            return deref(it).second.pool
+        inc(it)
+    return pool
+
+
+cdef void forget_thread_route(DeviceCachingAllocator a, Route route) noexcept:
+    """Take thread route `route` (ended) out of thread_routes."""
+    cdef unordered_map[uint64_t, vector[Route]].iterator own = a.thread_routes.find(route.value)
+    if own == a.thread_routes.end():
+        return
+    cdef size_t i
+    for i in range(deref(own).second.size()):
+        if deref(own).second[i].seq == route.seq:
+            deref(own).second.erase(deref(own).second.begin() + i)
+            break
+    if deref(own).second.empty():
+        a.thread_routes.erase(own)
 
 
 cdef Py_ssize_t find_route(DeviceCachingAllocator a, MempoolId pid) noexcept:
@@ -1877,6 +1927,8 @@ cdef int free_safe_blocks_in_capture(DeviceCachingAllocator a, uintptr_t stream,
                 and all_visited(&reuse.visited, a.capture_uses[b].markers)):
             best = b
     if best != NULL:
+        forget_segment_stream(a, best.stream)
+        a.segments_by_stream[stream] += 1
         best.stream = stream            # a whole segment moves to the stream that may use it
         release_deferred(a, best, &a.capture_uses[best])
     return 0
@@ -2020,10 +2072,13 @@ cdef int alloc_block(DeviceCachingAllocator a, BlockPool* pool, uintptr_t stream
     if is_retry:
         a.st.num_alloc_retries += 1
     cdef size_t limit = a.st.settings.allowed_memory_maximum
-    if limit != kSizeMax and a.st.total_allocated_memory + alloc_size > limit:
+    # (recycle_pages: the expandable growth checks the limit against the memory it creates)
+    if (limit != kSizeMax and not a.st.settings.recycle_pages
+            and a.st.total_allocated_memory + alloc_size > limit):
         return BACKEND_OOM
     if a.st.settings.expandable_segments:
-        return try_allocate_expandable_block(&a.st, a.backend, pool, stream, size, out)
+        return try_allocate_expandable_block(&a.st, a.backend, pool, stream, size,
+                                             a.capture_routes == 0, out)
     cdef uintptr_t ptr = 0
     cdef int rc
     if a.st.settings.release_lock_on_malloc:
@@ -2042,14 +2097,27 @@ cdef int alloc_block(DeviceCachingAllocator a, BlockPool* pool, uintptr_t stream
         return BACKEND_OOM
     cdef Block* b = new_block(&a.st, stream, alloc_size, pool, ptr)
     commit_segment_alloc(&a.st, b, context_id)
+    a.segments_by_stream[stream] += 1
     out[0] = b
     return 0
+
+
+cdef inline void forget_segment_stream(DeviceCachingAllocator a, uintptr_t stream) noexcept:
+    """One segment of `stream` is gone (released, or moved to another stream)."""
+    it = a.segments_by_stream.find(stream)
+    if it == a.segments_by_stream.end():
+        return
+    if deref(it).second <= 1:
+        a.segments_by_stream.erase(it)
+    else:
+        a.segments_by_stream[stream] = deref(it).second - 1
 
 
 cdef int release_block(DeviceCachingAllocator a, Block* b) except -1:
     """Return the whole-segment free block `b` to the device."""
     a.backend.segment_free(b.ptr, b.size)
     commit_segment_free(&a.st, b)
+    forget_segment_stream(a, b.stream)
     b.pool.blocks.erase(b)
     retire_block(&a.st, b)
     return 0
@@ -2076,7 +2144,9 @@ cdef int release_blocks(DeviceCachingAllocator a, BlockPool* pool) except -1:
 
 cdef int release_cached_blocks(DeviceCachingAllocator a) except -1:
     """PyTorch's release_cached_blocks({0, 0}): with no route active, wait for every event and
-    release the default pools' unsplit cached segments; then release every freeable private pool."""
+    release the default pools' unsplit cached segments; then release every freeable private pool.
+    recycle_pages' page pool goes first (its pages are mapped nowhere: no capture uses them)."""
+    release_page_pool(&a.st, a.backend)
     if a.captures_underway.empty():
         synchronize_and_free_events(a)
         release_blocks(a, a.large_blocks)
@@ -2229,7 +2299,7 @@ cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
     # growth maps now (the same walk as the real allocation). The steps that test it change no
     # expandable segment (GC and the max_split_size release skip them), and the full flush,
     # which does, is the last step: what it releases is released whether the retry fits or not.
-    cdef size_t physical = (expandable_growth_bytes(pool, stream, size) if s.expandable_segments
+    cdef size_t physical = (expandable_growth_bytes(&a.st, pool, stream, size) if s.expandable_segments
                             else alloc_size)
     cdef size_t free_bytes = 0, total_bytes = 0
     a.backend.memory_info(&free_bytes, &total_bytes)
@@ -2305,8 +2375,9 @@ cdef size_t policy_release_bytes(DeviceCachingAllocator a, size_t orig_size,
             gone.insert(deref(it))
             if dry_alloc_fits(s, reserved - released, alloc_size, free_bytes + released, physical):
                 return released
-    # release_cached_blocks: every unsplit cached segment of the default pools, and the whole
-    # pages inside free expandable blocks.
+    # release_cached_blocks: the page pool, every unsplit cached segment of the default pools,
+    # and the whole pages inside free expandable blocks.
+    released += page_pool_bytes(&a.st)
     cdef BlockPool* pools[2]
     pools[0] = a.large_blocks
     pools[1] = a.small_blocks
@@ -2332,7 +2403,8 @@ cdef inline bint dry_alloc_fits(Settings* s, size_t reserved, size_t alloc_size,
                                 size_t physical) noexcept:
     """Whether alloc_block would get `alloc_size` bytes with `reserved` bytes held and
     `free_bytes` free on the device (`physical`: the bytes the device must have free)."""
-    if s.allowed_memory_maximum != kSizeMax and reserved + alloc_size > s.allowed_memory_maximum:
+    if (s.allowed_memory_maximum != kSizeMax
+            and reserved + (physical if s.recycle_pages else alloc_size) > s.allowed_memory_maximum):
         return False
     return physical <= free_bytes
 
@@ -2501,6 +2573,8 @@ cdef inline void forget_stream_use(DeviceCachingAllocator a, uintptr_t stream) n
         return
     if deref(it).second <= 1:
         a.stream_use_counts.erase(it)
+        if a.stream_pins:             # its pin (if any) may go now: the next prune checks it
+            a.pins_to_check.push_back(stream)
     else:
         a.stream_use_counts[stream] = deref(it).second - 1
 
@@ -2517,8 +2591,8 @@ ctypedef int (*mark_unused_fn)(DeviceCachingAllocator, vector[uintptr_t]*, vecto
 
 
 cdef int drop_stream_objects(DeviceCachingAllocator a, dict objects, mark_unused_fn mark) except -1:
-    """Drop the stream objects of `objects` (handle -> object: the record_stream pins or the
-    allocation streams) that `mark` marks unused.
+    """Drop the stream objects of `objects` (handle -> object: the allocation streams) that
+    `mark` marks unused.
 
     The handles are read into C before the allocator's lock, `mark` runs under it, and the
     objects are dropped after it: no Python object is made or freed under the lock (dropping a
@@ -2546,28 +2620,21 @@ cdef int drop_stream_objects(DeviceCachingAllocator a, dict objects, mark_unused
 
 cdef int mark_streams_without_blocks(DeviceCachingAllocator a, vector[uintptr_t]* handles,
                                      vector[char]* unused) except -1:
-    """(Lock held.) The allocation streams of which no block is left; they are no longer kept."""
-    cdef vector[Block*] blocks
+    """(Lock held.) The allocation streams of which no block is left; they are no longer kept.
+
+    Every block is in a segment of its own stream: the segments are counted by stream
+    (segments_by_stream), and the expandable ones are few (one a stream and pool kind), so the
+    cost follows the streams and segments, not the blocks."""
     cdef unordered_set[uintptr_t] in_use
-    cdef Block* b
+    cdef ExpandableSegment* seg
     cdef size_t i
-    collect_blocks(a, &blocks)
-    for b in blocks:
-        in_use.insert(b.stream)
+    for seg in a.st.expandable_segments:
+        in_use.insert(seg.stream)
     for i in range(handles.size()):
-        if not in_use.count(deref(handles)[i]):
+        if not in_use.count(deref(handles)[i]) and not a.segments_by_stream.count(deref(handles)[i]):
             deref(unused)[i] = 1
             a.allocation_streams_kept.erase(deref(handles)[i])
             forget_retiring_stream(a, deref(handles)[i])
-    return 0
-
-
-cdef int mark_streams_without_uses(DeviceCachingAllocator a, vector[uintptr_t]* handles,
-                                   vector[char]* unused) except -1:
-    """(Lock held.) The record_stream pins that no block stream use names any more."""
-    cdef size_t i
-    for i in range(handles.size()):
-        deref(unused)[i] = a.stream_use_counts.count(deref(handles)[i]) == 0
     return 0
 
 
@@ -2660,8 +2727,26 @@ cdef int reap_dropped_streams(DeviceCachingAllocator a) except -1:
 
 
 cdef int prune_stream_pins(DeviceCachingAllocator a) except -1:
-    """Drop the stream objects that no block stream use names any more."""
-    return drop_stream_objects(a, a.stream_pins, mark_streams_without_uses)
+    """Drop the stream objects that no block stream use names any more.
+
+    Only the handles of pins_to_check can have become unused since the last prune (a use count
+    reached zero, or a pin was set), so only they are checked: a free or record_stream costs the
+    same however many pins are alive. (The unlocked read of the list's size is a hint: a stale
+    one leaves the check to the next prune, or takes the locks for nothing.)"""
+    if a.pins_to_check.empty():
+        return 0
+    cdef vector[uintptr_t] handles, unused
+    cdef uintptr_t h
+    with a.pins_lock:
+        lock_allocator(a)
+        handles.swap(a.pins_to_check)
+        for h in handles:
+            if a.stream_use_counts.count(h) == 0:
+                unused.push_back(h)
+        a.mutex.unlock()
+        dropped = [a.stream_pins.pop(h, None) for h in unused]
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
+    return 0
 
 
 cdef int flush_deferred_blocks(DeviceCachingAllocator a) except -1:
@@ -2873,6 +2958,7 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
     collect_blocks(a, &blocks)
     seen = set()
     reserved_by_pool = {}
+    segments_by_stream = {}
     for head in blocks:
         if head.prev != NULL:
             continue
@@ -2919,6 +3005,7 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
             b = b.next
         if not head.expandable:
             recount[ST_SEGMENT][p] += 1     # expandable maps are not counted as segments
+            segments_by_stream[head.stream] = segments_by_stream.get(head.stream, 0) + 1
         recount[ST_RESERVED_BYTES][p] += seg_size
         key = pool_id_tuple(head.pool)
         reserved_by_pool[key] = reserved_by_pool.get(key, 0) + seg_size
@@ -2927,12 +3014,18 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
                 f"expandable segment {head.segment.base:#x} counts {head.segment.mapped} mapped "
                 f"bytes, its blocks {seg_size}")
     for k in range(NUM_STATS):
+        if k == ST_RESERVED_BYTES:      # recycle_pages' page pool, by the class that counts it
+            recount[k][1] += a.st.free_pages[0].size() * kSmallBuffer
+            recount[k][2] += a.st.free_pages[1].size() * kSmallBuffer
         recount[k][0] = recount[k][1] + recount[k][2]
         for p in range(3):
             assert recount[k][p] == stat_current(&a.st.stats[k], p), (
                 f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {stat_current(&a.st.stats[k], p)}, "
                 f"recount gives {recount[k][p]}")
     assert a.st.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
+    counted = dict(a.segments_by_stream)
+    assert counted == segments_by_stream, (
+        f"segments by stream: counted {counted}, recount gives {segments_by_stream}")
     # Every pool's set must be in best-fit order with current keys (no stale entries), and every
     # private pool must know the bytes its segments hold.
     check_pool_order(a.small_blocks)

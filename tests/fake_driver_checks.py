@@ -674,6 +674,42 @@ def expandable_segments_map_and_unmap_in_relaxed_mode():
 
 
 @scenario
+def recycle_pages_maps_kept_handles_again():
+    # A free 8 MiB hole before a live block; a growth of another stream takes the hole's pages:
+    # cuMemUnmap without cuMemRelease, then cuMemMap of the same handles, no cuMemCreate.
+    # (The fake's device memory is shared with the other scenarios: figures are differences.)
+    base = fake.fake_used(0)
+    a = pyalloc.CachingAllocator(0, backend="cuda", config="expandable_segments:True,recycle_pages:True")
+    hole = a.malloc(8 * MiB, stream=91)
+    live = a.malloc(4 * MiB, stream=91)
+    a.free(hole)
+    used = fake.fake_used(0)
+    fake.fake_log_reset()
+    ptr = a.malloc(6 * MiB, stream=92)
+    grow_log = [e.split("@")[0] for e in driver_log() if not e.startswith("exchange")]
+    out = {"grow": grow_log, "used": [used, fake.fake_used(0)],
+           "reserved": [a.memory_reserved(), fake.fake_used(0) - base],
+           "remaps": a.memory_stats()["num_page_remaps"]}
+    a.free(ptr)
+    # A growth inside use_mem_pool that runs out of memory keeps the pages it took; empty_cache
+    # releases them.
+    pool = a.mem_pool()
+    try:
+        with a.use_mem_pool(pool):
+            a.malloc(1 << 40, stream=93)
+    except pyalloc.OutOfMemoryError:
+        pass
+    kept = a.memory_stats()["page_pool_bytes"]
+    del pool
+    a.empty_cache()
+    out["kept_then_released"] = [kept, a.memory_stats()["page_pool_bytes"], a.memory_reserved(),
+                                 fake.fake_used(0) - base]
+    a.free(live)
+    a.empty_cache()
+    return out
+
+
+@scenario
 def exhausted_address_space_is_out_of_memory_and_the_ladder_releases_empty_segments():
     # Each stream's expandable segment reserves about the device's size of address space; a
     # program that makes many streams can exhaust it (CUDA_ERROR_OUT_OF_MEMORY from

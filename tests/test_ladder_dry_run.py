@@ -19,6 +19,8 @@ SETTINGS = [
     "expandable_segments:True,max_split_size_mb:20",
     "expandable_segments:True,garbage_collection_threshold:0.5",
     "expandable_segments:True,max_split_size_mb:64,garbage_collection_threshold:0.7",
+    "expandable_segments:True,recycle_pages:True",
+    "expandable_segments:True,recycle_pages:True,garbage_collection_threshold:0.5",
 ]
 
 
