@@ -3,7 +3,10 @@
 
 
 cdef class Backend:
-    """Abstract device backend. Subclasses implement the methods declared in _backend.pxd."""
+    """Backend(device=0)
+--
+
+    Abstract device backend. Subclasses implement the methods declared in _backend.pxd."""
 
     def __init__(self, int device=0):
         self.device = device

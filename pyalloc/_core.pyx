@@ -291,7 +291,10 @@ cdef inline void lock_allocator(DeviceCachingAllocator a) noexcept:
 # the collector clears the allocator). clear_allocator below is its tp_clear instead.
 @cython.no_gc_clear
 cdef class DeviceCachingAllocator:
-    """PyTorch's caching allocator for one device, over a backend. Sizes are bytes.
+    """DeviceCachingAllocator(backend)
+--
+
+    PyTorch's caching allocator for one device, over a backend. Sizes are bytes.
 
     Most users construct `pyalloc.CachingAllocator`, which adds configuration, summaries,
     snapshots and MemPool objects on top of this class.
@@ -3045,7 +3048,10 @@ cdef int check_invariants(DeviceCachingAllocator a) except -1:
 @cython.auto_pickle(False)  # a pickled or copied Buffer would be a second owner of its block
 @cython.freelist(64)        # one per CuPy allocation: reuse the object memory
 cdef class Buffer:
-    """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
+    """Buffer(allocator, nbytes, stream=0)
+--
+
+    Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
 
     Attributes: ptr (device address), size (bytes requested), stream (handle), device (ordinal).
 

@@ -305,7 +305,10 @@ def pointer_device(uintptr_t ptr):
 # ------------------------------------------------------------------------------ the backend
 
 cdef class CudaDevice(Backend):
-    """One GPU, through its primary context. Sizes are bytes; handles are ints.
+    """CudaDevice(device=0)
+--
+
+    One GPU, through its primary context. Sizes are bytes; handles are ints.
 
     Args:
         device: device ordinal (0 .. device_count - 1).

@@ -121,7 +121,11 @@ _RESULT_NAMES.update({code: name for code, name, _ in _ERRORS.values()})
 # below drops only the hook, the one reference a user can add to it.
 @cython.no_gc_clear
 cdef class SimDevice(Backend):
-    """A simulated device. Sizes are bytes; handles (streams, events, addresses) are ints.
+    """SimDevice(total_memory=85899345920, *, device=0, base_address=None, alignment=2097152,
+                 top_down=False, check_reuse=False)
+--
+
+    A simulated device. Sizes are bytes; handles (streams, events, addresses) are ints.
 
     Args:
         total_memory: device capacity in bytes (default 80 GiB).

@@ -355,6 +355,8 @@ def _terminate(pool):
     workers (so that none is left behind). Python 3.14 has pool.terminate_workers(); before it,
     the worker processes are only reachable as the private `_processes`."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    # Taken before shutdown(wait=False), which drops the pool's reference to it.
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()
@@ -364,7 +366,6 @@ def _terminate(pool):
     # exit wakes every pool's pipe (concurrent.futures' atexit hook), and racing that close it
     # printed "Exception ignored ... Bad file descriptor" after "pyalloc: interrupted". Wait for
     # the thread here, so that it is done before exit begins.
-    manager = getattr(pool, "_executor_manager_thread", None)
     if manager is not None:
         manager.join(timeout=5)
 

@@ -10,7 +10,7 @@ import logging
 import sys
 import traceback
 
-MiB = 1 << 20
+from units import MiB
 DEVICE_RANGE = 0x10000000000          # fake addresses of device d lie in [(d+1)*RANGE, (d+2)*RANGE)
 
 fake = ctypes.CDLL(sys.argv[1])

@@ -15,7 +15,7 @@ import pytest
 from fake_driver import child_env
 
 HERE = Path(__file__).resolve().parent
-MiB = 1 << 20
+from units import MiB
 RANGE = 0x10000000000
 
 

@@ -10,7 +10,7 @@ import pytest
 import pyalloc
 from pyalloc.host import HostAllocator
 
-KiB, MiB = 1 << 10, 1 << 20
+from units import KiB, MiB
 
 
 @pytest.fixture

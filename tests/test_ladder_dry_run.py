@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 
-MiB = 1 << 20
+from units import MiB
 
 SETTINGS = [
     "",

@@ -37,8 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pyalloc import CachingAllocator, CudaError, OutOfMemoryError, SimDevice
 
-KiB = 1 << 10
-MiB = 1 << 20
+from units import KiB, MiB
 REUSE = "graph_capture_record_stream_reuse:True"
 CONFIGS = ["", REUSE, REUSE + ",graph_capture_cross_stream_reuse:True",
            REUSE + ",graph_capture_last_use_marks:True", "expandable_segments:True",
