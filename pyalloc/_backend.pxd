@@ -52,6 +52,15 @@ cdef class Backend:
     cdef int vm_release(self, uintptr_t base, size_t nbytes) except -1
     cdef int vm_map(self, uintptr_t addr, size_t nbytes, size_t page) except -1     # BACKEND_OOM when no memory
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1
+    # Physical pages apart from address space (recycle_pages). A handle names one physical page of
+    # `page` bytes (cuMemCreate's). vm_unmap_keep unmaps `count` pages from `addr` and keeps their
+    # memory: handles[i] receives the page that was at addr + i * page. vm_map_handles maps such
+    # pages at addr, addr + page, ... (never a page already mapped); vm_free_handles gives pages
+    # mapped nowhere back to the device. Each call does all or, raising, nothing.
+    cdef int vm_unmap_keep(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles) except -1
+    cdef int vm_map_handles(self, uintptr_t addr, size_t page, size_t count,
+                            const uintptr_t* handles) except -1
+    cdef int vm_free_handles(self, size_t page, size_t count, const uintptr_t* handles) except -1
 
     # Stream capture, for CUDA graphs (cuStreamBeginCapture .. cuStreamEndCapture).
     # mode: CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL or CAPTURE_RELAXED (CUstreamCaptureMode's values).

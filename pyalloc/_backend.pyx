@@ -3,7 +3,10 @@
 
 
 cdef class Backend:
-    """Abstract device backend. Subclasses implement the methods declared in _backend.pxd.
+    """Backend(device=0)
+--
+
+    Abstract device backend. Subclasses implement the methods declared in _backend.pxd.
 
     The base class itself is the backend of an allocator whose __init__ has not run (a subclass
     that skips super().__init__(), or cls.__new__(cls)): its calls raise RuntimeError, so the core
@@ -75,6 +78,16 @@ cdef class Backend:
 
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
         return self.unsupported("has no virtual memory operations")
+
+    cdef int vm_unmap_keep(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot keep physical pages apart from addresses")
+
+    cdef int vm_map_handles(self, uintptr_t addr, size_t page, size_t count,
+                            const uintptr_t* handles) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot keep physical pages apart from addresses")
+
+    cdef int vm_free_handles(self, size_t page, size_t count, const uintptr_t* handles) except -1:
+        raise NotImplementedError(f"{type(self).__name__} cannot keep physical pages apart from addresses")
 
     cdef int capture_begin(self, uintptr_t stream, int mode) except -1:
         return self.unsupported("cannot capture streams")

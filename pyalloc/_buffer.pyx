@@ -50,7 +50,10 @@ cdef int free_buffer_block(DeviceCachingAllocator a, uintptr_t p, uint32_t conte
 @cython.auto_pickle(False)  # a pickled or copied Buffer would be a second owner of its block
 @cython.freelist(64)        # one per CuPy allocation: reuse the object memory
 cdef class Buffer:
-    """Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
+    """Buffer(allocator, nbytes, stream=0)
+--
+
+    Device memory owned by a Python object: freed by close(), `with` exit or garbage collection.
 
     Attributes: ptr (device address), size (bytes requested), stream (handle), device (ordinal).
 

@@ -149,7 +149,10 @@ cdef Backend UNINITIALISED_BACKEND = Backend(-1)
 # the collector clears the allocator). clear_allocator below is its tp_clear instead.
 @cython.no_gc_clear
 cdef class DeviceCachingAllocator:
-    """PyTorch's caching allocator for one device, over a backend. Sizes are bytes.
+    """DeviceCachingAllocator(backend)
+--
+
+    PyTorch's caching allocator for one device, over a backend. Sizes are bytes.
 
     Most users construct `pyalloc.CachingAllocator`, which adds configuration, summaries,
     snapshots and MemPool objects on top of this class.
@@ -283,6 +286,7 @@ cdef class DeviceCachingAllocator:
         for i in range(16):
             s.roundup_divisions[i] = divisions[i]
         s.expandable_segments = settings.expandable_segments
+        s.recycle_pages = getattr(settings, "recycle_pages", False) and s.expandable_segments
         s.release_lock_on_malloc = getattr(settings, "release_lock_on_cudamalloc", False)
         s.graph_reuse = getattr(settings, "graph_capture_record_stream_reuse", False)
         s.graph_last_use = getattr(settings, "graph_capture_last_use_marks", False)

@@ -34,6 +34,7 @@ cimport cuda.bindings.cydriver as cydriver
 from libc.stdint cimport uintptr_t
 from libc.string cimport memset
 from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref
 
@@ -158,6 +159,8 @@ cdef struct _Pages:
     cydriver.CUmemAllocationProp* prop      # vm_map: what to create
     cydriver.CUmemAccessDesc* access        # vm_map: who may read and write
     size_t access_count
+    bint kept                               # vm_map_handles / vm_unmap_keep: the handles exist
+    size_t released                         # pages released (the first `released` handles)
     cydriver.CUresult r_create, r_map, r_access, r_unmap, r_release
 
 
@@ -171,10 +174,11 @@ cdef inline _Pages _pages(uintptr_t addr, size_t nbytes, size_t page,
 
 
 cdef cydriver.CUresult _map_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    """Create, map and open the pages; on any failure undo this call's work, so that nothing is
-    left half mapped. Returns the first failure (the r_* fields say which step)."""
+    """Create (unless g.kept: the handles exist), map and open the pages; on any failure undo
+    this call's work, so that nothing is left half mapped. Returns the first failure (the r_*
+    fields say which step)."""
     cdef _Pages* g = <_Pages*>p
-    cdef size_t created = 0, mapped = 0, i
+    cdef size_t created = g.count if g.kept else 0, mapped = 0, i
     while created < g.count:
         g.r_create = cydriver.cuMemCreate(&g.handles[created], g.page, g.prop, 0)
         if g.r_create != cydriver.CUDA_SUCCESS:
@@ -192,7 +196,7 @@ cdef cydriver.CUresult _map_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND
     if g.r_access != cydriver.CUDA_SUCCESS or mapped != g.count:
         for i in range(mapped):
             cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(g.addr + i * g.page), g.page)
-        for i in range(created):
+        for i in range(0 if g.kept else created):
             cydriver.cuMemRelease(g.handles[i])
     if g.r_create != cydriver.CUDA_SUCCESS:
         return g.r_create
@@ -200,17 +204,20 @@ cdef cydriver.CUresult _map_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND
 
 
 cdef cydriver.CUresult _unmap_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    """Unmap the range, then release each page's allocation (stopping at the first failure).
-    Returns the first failure (the r_* fields say which step)."""
+    """Unmap the range (unless g.addr is 0: release only), then, unless g.kept, release each
+    page's allocation (stopping at the first failure). Returns the first failure (the r_* fields
+    say which step)."""
     cdef _Pages* g = <_Pages*>p
     cdef size_t i
-    g.r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>g.addr, g.nbytes)
-    if g.r_unmap != cydriver.CUDA_SUCCESS:
-        return g.r_unmap
+    if g.addr:
+        g.r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>g.addr, g.nbytes)
+        if g.r_unmap != cydriver.CUDA_SUCCESS or g.kept:
+            return g.r_unmap
     for i in range(g.count):
         g.r_release = cydriver.cuMemRelease(g.handles[i])
         if g.r_release != cydriver.CUDA_SUCCESS:
             break
+        g.released += 1
     return g.r_release
 
 
@@ -298,7 +305,10 @@ def pointer_device(uintptr_t ptr):
 # ------------------------------------------------------------------------------ the backend
 
 cdef class CudaDevice(Backend):
-    """One GPU, through its primary context. Sizes are bytes; handles are ints.
+    """CudaDevice(device=0)
+--
+
+    One GPU, through its primary context. Sizes are bytes; handles are ints.
 
     Args:
         device: device ordinal (0 .. device_count - 1).
@@ -315,6 +325,8 @@ cdef class CudaDevice(Backend):
     cdef readonly size_t live_bytes            # their bytes
     # Expandable segments: physical allocation handle of each mapped page, by page address.
     cdef unordered_map[uintptr_t, cydriver.CUmemGenericAllocationHandle] _page_handles
+    # recycle_pages: physical allocations unmapped by vm_unmap_keep and not yet released.
+    cdef unordered_set[uintptr_t] _kept_pages
     cdef readonly size_t mapped_bytes          # bytes currently mapped through vm_map
     cdef readonly Py_ssize_t live_reservations # address ranges reserved through vm_reserve, not freed
     cdef vector[int] _peers                    # devices that can access this one's memory
@@ -934,17 +946,8 @@ cdef class CudaDevice(Backend):
             raise ValueError(f"vm_map of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
         cdef cydriver.CUmemAllocationProp prop
         self._allocation_prop(&prop)
-        # Read/write access for this device and for every peer that can reach it, so that copies
-        # and kernels on other GPUs work on expandable memory as they do on cuMemAlloc memory.
-        self._find_peers()
         cdef vector[cydriver.CUmemAccessDesc] access
-        access.resize(1 + self._peers.size())
-        memset(access.data(), 0, access.size() * sizeof(cydriver.CUmemAccessDesc))
-        cdef size_t k
-        for k in range(access.size()):
-            access[k].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
-            access[k].location.id = self.device if k == 0 else self._peers[k - 1]
-            access[k].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access_list(&access)
         cdef size_t count = nbytes // page, i
         cdef vector[cydriver.CUmemGenericAllocationHandle] handles
         handles.resize(count)
@@ -966,27 +969,109 @@ cdef class CudaDevice(Backend):
         self.mapped_bytes += nbytes
         return BACKEND_OK
 
+    cdef int _access_list(self, vector[cydriver.CUmemAccessDesc]* access) except -1:
+        """Read/write access for this device and for every peer that can reach it, so that copies
+        and kernels on other GPUs work on expandable memory as they do on cuMemAlloc memory."""
+        self._find_peers()
+        access.resize(1 + self._peers.size())
+        memset(access.data(), 0, access.size() * sizeof(cydriver.CUmemAccessDesc))
+        cdef size_t k
+        for k in range(access.size()):
+            access[0][k].location.type = cydriver.CU_MEM_LOCATION_TYPE_DEVICE
+            access[0][k].location.id = self.device if k == 0 else self._peers[k - 1]
+            access[0][k].flags = cydriver.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return 0
+
+    cdef int vm_unmap_keep(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles) except -1:
+        """Unmap `count` pages mapped by vm_map or vm_map_handles from addr (cuMemUnmap) and keep
+        their physical allocations: handles[i] is the page that was at addr + i * page."""
+        self._check_open()
+        return self._unmap_range(addr, page, count, handles, True)
+
+    cdef int _unmap_range(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles,
+                          bint keep) except -1:
+        """vm_unmap (keep false: the pages are released too) and vm_unmap_keep: handles[i]
+        receives the page that was at addr + i * page."""
+        cdef size_t i
+        for i in range(count):
+            if self._page_handles.count(addr + i * page) == 0:
+                raise ValueError(f"vm_unmap: page {addr + i * page:#x} was not mapped by vm_map")
+            handles[i] = <uintptr_t>self._page_handles[addr + i * page]
+        cdef _Pages pages = _pages(addr, count * page, page,
+                                   <cydriver.CUmemGenericAllocationHandle*>handles)
+        pages.kept = keep
+        cdef _Relaxed r
+        self._relaxed_call(_unmap_pages, &pages, &r, False)
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")    # nothing was unmapped
+        check(pages.r_unmap, "cuMemUnmap")
+        # Unmapped: forgotten (or kept), even should a release or the restore fail below.
+        for i in range(count):
+            self._page_handles.erase(addr + i * page)
+            if keep:
+                self._kept_pages.insert(handles[i])
+        self.mapped_bytes -= count * page
+        check(pages.r_release, "cuMemRelease")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        return BACKEND_OK
+
+    cdef int vm_map_handles(self, uintptr_t addr, size_t page, size_t count,
+                            const uintptr_t* handles) except -1:
+        """Map pages kept by vm_unmap_keep at addr, addr + page, ... (cuMemMap, cuMemSetAccess);
+        nothing is left mapped when a call fails."""
+        self._check_open()
+        cdef size_t i
+        cdef vector[cydriver.CUmemGenericAllocationHandle] h
+        for i in range(count):
+            if self._kept_pages.count(handles[i]) == 0:
+                raise ValueError(f"vm_map_handles: page handle {handles[i]:#x} is not kept unmapped")
+            if self._page_handles.count(addr + i * page):
+                raise ValueError(f"vm_map_handles: page {addr + i * page:#x} is mapped already")
+            h.push_back(<cydriver.CUmemGenericAllocationHandle>handles[i])
+        cdef vector[cydriver.CUmemAccessDesc] access
+        self._access_list(&access)
+        cdef _Pages pages = _pages(addr, count * page, page, h.data())
+        pages.kept = True
+        pages.access = access.data()
+        pages.access_count = access.size()
+        cdef _Relaxed r
+        self._relaxed_call(_map_pages, &pages, &r, False)
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        check(pages.r_map, "cuMemMap")
+        check(pages.r_access, "cuMemSetAccess")
+        for i in range(count):
+            self._kept_pages.erase(handles[i])
+            self._page_handles[addr + i * page] = h[i]
+        self.mapped_bytes += count * page
+        return BACKEND_OK
+
+    cdef int vm_free_handles(self, size_t page, size_t count, const uintptr_t* handles) except -1:
+        """Release pages kept by vm_unmap_keep (cuMemRelease); a page whose release failed stays
+        kept."""
+        self._check_open()
+        cdef size_t i
+        cdef vector[cydriver.CUmemGenericAllocationHandle] h
+        for i in range(count):
+            if self._kept_pages.count(handles[i]) == 0:
+                raise ValueError(f"vm_free_handles: page handle {handles[i]:#x} is not kept unmapped")
+            h.push_back(<cydriver.CUmemGenericAllocationHandle>handles[i])
+        cdef _Pages pages = _pages(0, count * page, page, h.data())
+        cdef _Relaxed r
+        self._relaxed_call(_unmap_pages, &pages, &r, False)
+        check(r.relax, "cuThreadExchangeStreamCaptureMode")
+        for i in range(pages.released):     # those before a failure are gone
+            self._kept_pages.erase(handles[i])
+        check(pages.r_release, "cuMemRelease")
+        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        return BACKEND_OK
+
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page) except -1:
         """Unmap and release the pages of [addr, addr + nbytes), mapped earlier by vm_map."""
         self._check_open()
         # Pages count from the segment's base, which is only granularity-aligned: check sizes.
         if page == 0 or nbytes % page:
             raise ValueError(f"vm_unmap of {nbytes} bytes at {addr:#x} is not whole {page}-byte pages")
-        cdef size_t count = nbytes // page, i
-        cdef vector[cydriver.CUmemGenericAllocationHandle] handles
-        for i in range(count):
-            if self._page_handles.count(addr + i * page) == 0:
-                raise ValueError(f"vm_unmap: page {addr + i * page:#x} was not mapped by vm_map")
-            handles.push_back(self._page_handles[addr + i * page])
-        cdef _Pages pages = _pages(addr, nbytes, page, handles.data())
-        cdef _Relaxed r
-        self._relaxed_call(_unmap_pages, &pages, &r, False)
-        check(r.relax, "cuThreadExchangeStreamCaptureMode")    # nothing was unmapped
-        check(pages.r_unmap, "cuMemUnmap")
-        # Unmapped: forgotten, even should a release or the restore fail below.
-        for i in range(count):
-            self._page_handles.erase(addr + i * page)
-        self.mapped_bytes -= nbytes
-        check(pages.r_release, "cuMemRelease")
-        check(r.restore, "cuThreadExchangeStreamCaptureMode")
+        cdef vector[uintptr_t] handles
+        handles.resize(nbytes // page)
+        self._unmap_range(addr, page, nbytes // page, handles.data(), False)
         return BACKEND_OK

@@ -1,13 +1,18 @@
 # Expandable segments (expandable_segments:True): the slow path that grows and shrinks a stream's
 # reserved address range page by page. Called by _core.pyx with the allocator's lock held.
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uintptr_t, int64_t
 
 from pyalloc._types cimport Block, BlockPool, CoreState
 from pyalloc._backend cimport Backend
 
 cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool* pool,
-                                       uintptr_t stream, size_t size, Block** out) except -1
-cdef size_t expandable_growth_bytes(BlockPool* pool, uintptr_t stream, size_t size) noexcept
+                                       uintptr_t stream, size_t size, bint may_unmap,
+                                       Block** out) except -1
+cdef size_t expandable_growth_bytes(CoreState* st, BlockPool* pool, uintptr_t stream,
+                                    size_t size) noexcept
+cdef int release_page_pool(CoreState* st, Backend backend) except -1
+cdef void page_pool_counts(CoreState* st, int64_t* pool_bytes, int64_t* remaps) noexcept
+cdef size_t page_pool_bytes(CoreState* st) noexcept nogil
 cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1
 cdef size_t mapped_bytes(CoreState* st, BlockPool* pool, uintptr_t stream) noexcept
 cdef void free_segment_structs(CoreState* st) noexcept

@@ -6,14 +6,26 @@ flush (PyTorch's ExpandableSegment in c10/cuda/CUDACachingAllocator.cpp).
 The core calls these functions with its lock held, after the best-fit search of its pool failed.
 Mapped ranges are ordinary free blocks of the pool (mapped = True); unmapped ranges are blocks in
 the pool's `unmapped` set. Statistics and trace entries go through the commit steps of _state.pxd.
-"""
-from libc.stdint cimport uintptr_t
-from cython.operator cimport dereference as deref, preincrement as inc
 
-from pyalloc._types cimport Block, BlockPool, CoreState, ExpandableSegment, UnmappedSet
+recycle_pages (pyalloc only): pages are 2 MiB in both pools, and the physical pages of a device
+are recycled between its segments, of both size classes. Whole pages inside free blocks of the
+default pools are unmapped into a pool of physical pages (CoreState.free_pages, by the class that
+counts them) lazily: when a segment must grow and the page pool holds fewer pages than the growth
+maps, just enough of them are taken, largest free block first, never from the run that the
+growth maps into. Every map takes pages from the page pool (its own class's first) before it
+creates memory. The page pool's pages count as reserved; release_page_pool (the
+full flush: empty_cache and the out-of-memory ladder) gives them back first. Nothing is unmapped
+while a capture is under way (may_unmap false): a captured graph keeps using the addresses of
+its blocks, and cuMemUnmap synchronizes, which a capture forbids.
+"""
+from libcpp.vector cimport vector
+from libc.stdint cimport uintptr_t
+from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
+
+from pyalloc._types cimport Block, BlockPool, BlockSet, CoreState, ExpandableSegment, UnmappedSet
 from pyalloc._policy cimport (is_free, new_block, retire_block, absorb_neighbour, pool_insert,
                               reservation_size, kSmallBuffer, kLargeBuffer)
-from pyalloc._state cimport commit_map, commit_unmap
+from pyalloc._state cimport commit_map, commit_unmap, commit_page_pool, commit_page_pool_release
 from pyalloc._backend cimport Backend, BACKEND_OOM
 
 cdef extern from *:
@@ -76,24 +88,218 @@ cdef inline size_t pages_for(size_t nbytes, size_t page) noexcept nogil:
     return ((nbytes + page - 1) // page) * page
 
 
-cdef size_t expandable_growth_bytes(BlockPool* pool, uintptr_t stream, size_t size) noexcept:
-    """Bytes of physical memory try_allocate_expandable_block would map now for `size` bytes on
-    `stream` (its mapping loop, counted instead of done; for the release ladder's dry run). A new
-    segment maps the request's pages."""
-    cdef Block* walk = existing_run(pool, stream, size)
-    cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
+cdef inline size_t page_of(CoreState* st, BlockPool* pool) noexcept nogil:
+    """Bytes of one page of a new expandable segment of `pool`: PyTorch's 2 MiB (small pool) or
+    20 MiB (large pool); 2 MiB, the driver's granularity, in both under recycle_pages, so that a
+    free block gives all the whole pages it holds."""
+    return kSmallBuffer if pool.is_small or st.settings.recycle_pages else kLargeBuffer
+
+
+cdef size_t page_pool_bytes(CoreState* st) noexcept nogil:
+    """Bytes of physical memory in the page pools of both size classes (recycle_pages)."""
+    return (st.free_pages[0].size() + st.free_pages[1].size()) * kSmallBuffer
+
+
+cdef size_t run_growth(CoreState* st, BlockPool* pool, uintptr_t stream, size_t size,
+                       Block* walk) noexcept:
+    """Bytes of pages try_allocate_expandable_block maps for `size` bytes on `stream` into the
+    run that starts at `walk` (existing_run's answer; NULL: a new segment, which maps the
+    request's pages)."""
     if walk == NULL:
-        return pages_for(size, page)
+        return pages_for(size, page_of(st, pool))
     cdef size_t have = 0, need = 0, mapped
     while have < size:
         if walk.mapped:
             have += walk.size
         else:
-            mapped = min(pages_for(size - have, page), walk.size)
+            mapped = min(pages_for(size - have, walk.segment.page_size), walk.size)
             need += mapped
             have += mapped
         walk = walk.next
     return need
+
+
+cdef size_t expandable_growth_bytes(CoreState* st, BlockPool* pool, uintptr_t stream,
+                                    size_t size) noexcept:
+    """Bytes of new device memory try_allocate_expandable_block would create now for `size` bytes
+    on `stream` (its mapping, counted instead of done; for the release ladder's dry run): the
+    pages it maps, less, under recycle_pages, those the page pool and the recyclable free pages
+    give (no capture is under way when the ladder's dry run asks)."""
+    cdef Block* run = existing_run(pool, stream, size)
+    cdef size_t need = run_growth(st, pool, stream, size, run)
+    if not st.settings.recycle_pages:
+        return need
+    cdef size_t have = page_pool_bytes(st)
+    if need <= have:
+        return 0
+    cdef vector[Block*] victims
+    have += recyclable_pages(st, pool, stream, size, run, &victims)
+    return need - have if need > have else 0
+
+
+cdef size_t recyclable_pages(CoreState* st, BlockPool* pool, uintptr_t stream, size_t size,
+                             Block* run, vector[Block*]* victims) noexcept:
+    """The free blocks with whole pages to give to the page pool (those of the default pools'
+    expandable segments), in the order they give them (largest block first), into *victims;
+    returns their whole pages' bytes. Blocks of the run that a growth for `size` bytes on `stream` maps into
+    (from `run`, existing_run's answer) are left out: their pages are the growth's own."""
+    cdef uintptr_t run_lo = 0, run_hi = 0
+    cdef ExpandableSegment* run_seg = NULL
+    cdef Block* walk = run
+    cdef size_t room = 0
+    if run != NULL:
+        run_seg = run.segment
+        run_lo = run.ptr
+        while room < size and walk != NULL and is_free(walk):
+            room += walk.size
+            walk = walk.next
+        run_hi = run_lo + room
+    cdef vector[BlockPool*] pools
+    cdef ExpandableSegment* seg
+    cdef size_t i, j
+    cdef bint known
+    for i in range(st.expandable_segments.size()):
+        seg = st.expandable_segments[i]
+        if seg.pool.owner != NULL:
+            continue            # a private pool's pages stay: its graphs may replay into them
+        known = False
+        for j in range(pools.size()):
+            known = known or pools[j] == seg.pool
+        if not known:
+            pools.push_back(seg.pool)
+    cdef size_t total = 0
+    cdef uintptr_t first, last
+    cdef BlockSet.iterator it
+    cdef Block* b
+    cdef size_t start = victims.size()
+    for j in range(pools.size()):
+        it = pools[j].blocks.end()
+        while it != pools[j].blocks.begin():
+            dec(it)
+            b = deref(it)
+            if not b.expandable or b.segment.page_size != kSmallBuffer:
+                continue
+            if b.segment == run_seg and b.ptr < run_hi and b.ptr + b.size > run_lo:
+                continue
+            whole_pages(b, &first, &last)
+            if last > first:
+                victims.push_back(b)
+                total += last - first
+    # Largest first across the pools (each pool's blocks came largest first).
+    cdef Block* t
+    for i in range(start + 1, victims.size()):
+        j = i
+        while j > start and victims[0][j - 1].size < victims[0][j].size:
+            t = victims[0][j - 1]
+            victims[0][j - 1] = victims[0][j]
+            victims[0][j] = t
+            j -= 1
+    return total
+
+
+cdef struct Taken:
+    ExpandableSegment* seg      # pages [lo, hi) of seg went to the page pool
+    uintptr_t lo
+    uintptr_t hi
+
+
+cdef int recycle_for_growth(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
+                            size_t size, vector[Taken]* taken) except -1:
+    """recycle_pages: before a growth for `size` bytes on `stream` maps pages, unmap into the page
+    pool as many whole free pages as it needs beyond what the pool holds; each range unmapped is
+    appended to *taken (as soon as it is: a failure later in the growth puts them back)."""
+    cdef Block* run = existing_run(pool, stream, size)
+    cdef size_t need = run_growth(st, pool, stream, size, run)
+    cdef size_t have = page_pool_bytes(st)
+    if need <= have:
+        return 0
+    cdef vector[Block*] victims
+    if recyclable_pages(st, pool, stream, size, run, &victims) == 0:
+        return 0
+    # Work queued before the frees may still use these pages (see unmap_block).
+    backend.device_synchronize()
+    cdef size_t want = need - have, take
+    cdef uintptr_t first, last
+    cdef Block* b
+    cdef ExpandableSegment* seg
+    for b in victims:
+        if want == 0:
+            break
+        whole_pages(b, &first, &last)
+        take = min(last - first, want)
+        seg = b.segment
+        unmap_range(st, backend, b, last - take, last, True)
+        taken.push_back(Taken(seg, last - take, last))
+        want -= take
+    return 0
+
+
+cdef int put_back(CoreState* st, Backend backend, vector[Taken]* taken) except -1:
+    """Map the ranges of *taken back where they were, from the page pool, newest first: a growth
+    that failed on a driver call then leaves the blocks as they were (trace entries apart)."""
+    cdef Block key
+    cdef UnmappedSet.iterator it
+    cdef Block* u
+    cdef Block* head
+    cdef Taken t
+    cdef size_t i = taken.size()
+    cdef BlockPool* pool
+    while i > 0:
+        i -= 1
+        t = taken[0][i]
+        pool = t.seg.pool
+        key.stream = t.seg.stream
+        key.ptr = t.lo
+        it = pool.unmapped.upper_bound(&key)
+        dec(it)
+        u = deref(it)
+        if u.ptr < t.lo:
+            # Split the unmapped block at lo: its head stays unmapped, before it.
+            pool.unmapped.erase(u)
+            head = new_block(st, u.stream, t.lo - u.ptr, pool, u.ptr)
+            head.mapped = False
+            head.expandable = True
+            head.segment = t.seg
+            head.prev = u.prev
+            head.next = u
+            if u.prev != NULL:
+                u.prev.next = head
+            u.prev = head
+            u.size -= t.lo - u.ptr
+            u.ptr = t.lo
+            pool.unmapped.insert(head)
+            pool.unmapped.insert(u)
+        if map_block(st, backend, u, t.hi - t.lo):
+            st.page_remaps -= <int64_t>((t.hi - t.lo) // t.seg.page_size)
+    taken.clear()
+    return 0
+
+
+cdef int release_emptied(CoreState* st, Backend backend, vector[Taken]* taken) except -1:
+    """Give back the address space of the segments that recycle_for_growth left with nothing
+    mapped (it keeps them until the growth is done, so that put_back can still map there)."""
+    cdef Block key
+    cdef UnmappedSet.iterator it
+    cdef ExpandableSegment* seg
+    cdef Block* b
+    cdef size_t i, j
+    cdef bint seen
+    for i in range(taken.size()):
+        seg = taken[0][i].seg
+        seen = False
+        for j in range(i):
+            seen = seen or taken[0][j].seg == seg
+        if seen or seg.mapped != 0:
+            continue
+        key.stream = seg.stream
+        key.ptr = seg.base
+        it = seg.pool.unmapped.find(&key)
+        if it != seg.pool.unmapped.end():
+            b = deref(it)
+            if b.prev == NULL and b.next == NULL:
+                release_reservation(st, backend, b)
+    taken.clear()
+    return 0
 
 
 cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
@@ -109,8 +315,9 @@ cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, 
         return 0
     cdef size_t free_bytes = 0, total_bytes = 0
     backend.memory_info(&free_bytes, &total_bytes)
-    cdef size_t page = kSmallBuffer if pool.is_small else kLargeBuffer
-    cdef size_t va_size = reservation_size(total_bytes, page)
+    cdef size_t page = page_of(st, pool)
+    # The address space PyTorch reserves for the pool (a whole number of 2 MiB pages too).
+    cdef size_t va_size = reservation_size(total_bytes, kSmallBuffer if pool.is_small else kLargeBuffer)
     cdef uintptr_t base = 0
     if backend.vm_reserve(va_size, &base) == BACKEND_OOM:
         return BACKEND_OOM
@@ -134,17 +341,51 @@ cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, 
 
 
 cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) except -1:
-    """Map the whole pages covering the first `size` bytes of unmapped block `to_map`.
+    """Map the whole pages covering the first `size` bytes of unmapped block `to_map`, taking
+    them from the page pool first under recycle_pages.
 
     Returns 1 on success (to_map becomes a free mapped block, merged with free neighbours and
-    in the pool) or 0 when the device is out of memory.
+    in the pool) or 0 when the device (or, under recycle_pages, the memory limit, which counts
+    the device memory created) has not the memory; nothing is mapped then.
     """
     cdef ExpandableSegment* seg = to_map.segment
     cdef size_t page = seg.page_size
     cdef size_t mapped = min(pages_for(size, page), to_map.size)
-    if backend.vm_map(to_map.ptr, mapped, page) == BACKEND_OOM:
+    cdef size_t reuse = 0, k = 0 if to_map.pool.is_small else 1
+    cdef vector[uintptr_t]* own = &st.free_pages[k]
+    cdef vector[uintptr_t]* other = &st.free_pages[1 - k]
+    if st.settings.recycle_pages and page == kSmallBuffer:
+        reuse = min(mapped // page, own.size() + other.size())
+    cdef size_t created = mapped - reuse * page
+    cdef size_t limit = st.settings.allowed_memory_maximum
+    if st.settings.recycle_pages and limit != <size_t>-1 and st.total_allocated_memory + created > limit:
         return 0
+    # The pages to reuse: the last ones of its own class, then of the other, taken off the pool
+    # once everything is mapped.
+    cdef size_t from_own = min(reuse, own.size()), i
+    cdef vector[uintptr_t] chosen
+    for i in range(from_own):
+        chosen.push_back(own[0][own.size() - from_own + i])
+    for i in range(reuse - from_own):
+        chosen.push_back(other[0][other.size() - (reuse - from_own) + i])
+    cdef uintptr_t* handles = chosen.data()
+    if reuse:
+        backend.vm_map_handles(to_map.ptr, page, reuse, handles)
+    cdef int rc = 0
+    if created:
+        try:
+            rc = backend.vm_map(to_map.ptr + reuse * page, created, page)
+        except BaseException:
+            if reuse:
+                backend.vm_unmap_keep(to_map.ptr, page, reuse, handles)
+            raise
+        if rc == BACKEND_OOM:
+            if reuse:
+                backend.vm_unmap_keep(to_map.ptr, page, reuse, handles)
+            return 0
     cdef BlockPool* pool = to_map.pool
+    own.resize(own.size() - from_own)
+    other.resize(other.size() - (reuse - from_own))
     pool.unmapped.erase(to_map)
     to_map.mapped = True
     cdef Block* rest
@@ -165,14 +406,38 @@ cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) e
     merge_into(st, to_map, to_map.next)
     pool_insert(pool, to_map)
     seg.mapped += mapped
-    commit_map(st, pool, mapped_at, mapped, to_map.stream)
+    if from_own:
+        commit_page_pool(st, pool, pool.is_small, -<int64_t>(from_own * page))
+    if reuse > from_own:
+        commit_page_pool(st, pool, not pool.is_small, -<int64_t>((reuse - from_own) * page))
+    st.page_remaps += reuse
+    commit_map(st, pool, mapped_at, mapped, to_map.stream, created)
     return 1
 
 
 cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool* pool,
-                                       uintptr_t stream, size_t size, Block** out) except -1:
+                                       uintptr_t stream, size_t size, bint may_unmap,
+                                       Block** out) except -1:
     """Grow `stream`'s expandable segment until a free block of `size` bytes exists there:
-    0 with *out that block (out of the pool), or BACKEND_OOM."""
+    0 with *out that block (out of the pool), or BACKEND_OOM. `may_unmap`: no capture is under
+    way, so that recycle_pages may unmap free pages for the growth."""
+    if not (st.settings.recycle_pages and may_unmap):
+        return grow(st, backend, pool, stream, size, out)
+    cdef vector[Taken] taken
+    cdef int rc
+    try:
+        recycle_for_growth(st, backend, pool, stream, size, &taken)
+        rc = grow(st, backend, pool, stream, size, out)
+    except BaseException:
+        put_back(st, backend, &taken)
+        raise
+    release_emptied(st, backend, &taken)
+    return rc
+
+
+cdef int grow(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream, size_t size,
+              Block** out) except -1:
+    """try_allocate_expandable_block's growth once the page pool holds what it takes."""
     cdef Block* candidate = NULL
     if find_expandable_block(st, backend, pool, stream, size, &candidate) == BACKEND_OOM:
         return BACKEND_OOM
@@ -220,9 +485,8 @@ cdef void split_off_mapped(CoreState* st, Block* b, uintptr_t ptr, size_t size, 
 
 
 cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1:
-    """Unmap the whole pages inside free expandable block `b`; partial pages stay mapped."""
-    cdef ExpandableSegment* seg = b.segment
-    cdef size_t page = seg.page_size
+    """Unmap the whole pages inside free expandable block `b` and give their memory back to the
+    device; partial pages stay mapped."""
     cdef uintptr_t first, last
     if whole_pages(b, &first, &last) == 0:
         return 0
@@ -230,10 +494,30 @@ cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1:
     # segment's stream; pyalloc waits for the device, because CuPy destroys a stream when its
     # object is collected, and synchronizing a destroyed stream handle is undefined.
     backend.device_synchronize()
-    backend.vm_unmap(first, last - first, page)
+    return unmap_range(st, backend, b, first, last, False)
+
+
+cdef int unmap_range(CoreState* st, Backend backend, Block* b, uintptr_t first, uintptr_t last,
+                     bint keep) except -1:
+    """Unmap pages [first, last) inside free expandable block `b` (the caller synchronized):
+    into the page pool when `keep`, else back to the device. What stays of b around the range
+    stays mapped, as free blocks of its own."""
+    cdef ExpandableSegment* seg = b.segment
+    cdef size_t page = seg.page_size
+    cdef size_t count = (last - first) // page
     cdef BlockPool* pool = b.pool
+    cdef size_t k = 0 if pool.is_small else 1
+    cdef size_t had = st.free_pages[k].size()
+    if keep:
+        st.free_pages[k].resize(had + count)
+        try:
+            backend.vm_unmap_keep(first, page, count, st.free_pages[k].data() + had)
+        except BaseException:
+            st.free_pages[k].resize(had)
+            raise
+    else:
+        backend.vm_unmap(first, last - first, page)
     pool.blocks.erase(b)
-    # Partial pages at either end stay mapped, as free blocks of their own.
     if first > b.ptr:
         split_off_mapped(st, b, b.ptr, first - b.ptr, True)
     if b.ptr + b.size > last:
@@ -245,11 +529,33 @@ cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1:
     merge_into(st, b, b.next)
     pool.unmapped.insert(b)
     seg.mapped -= last - first
-    commit_unmap(st, pool, first, last - first, b.stream)
-    if b.prev == NULL and b.next == NULL:
+    if keep:
+        commit_page_pool(st, pool, pool.is_small, <int64_t>(last - first))
+    commit_unmap(st, pool, first, last - first, b.stream, keep)
+    if b.prev == NULL and b.next == NULL and not keep:
         # Nothing of the segment is mapped any more: give the address space back.
         release_reservation(st, backend, b)
     return 0
+
+
+cdef int release_page_pool(CoreState* st, Backend backend) except -1:
+    """Give the page pool's physical pages back to the device (recycle_pages; the first step of
+    the full flush)."""
+    cdef size_t k
+    for k in range(2):
+        # A page a call at a time: each page the device took back is off the pool, whatever
+        # fails after it.
+        while not st.free_pages[k].empty():
+            backend.vm_free_handles(kSmallBuffer, 1, &st.free_pages[k].back())
+            st.free_pages[k].pop_back()
+            commit_page_pool_release(st, k == 0, kSmallBuffer)
+    return 0
+
+
+cdef void page_pool_counts(CoreState* st, int64_t* pool_bytes, int64_t* remaps) noexcept:
+    """recycle_pages' statistics: bytes in the page pool and pages mapped again from it."""
+    pool_bytes[0] = <int64_t>page_pool_bytes(st)
+    remaps[0] = st.page_remaps
 
 
 cdef int release_reservation(CoreState* st, Backend backend, Block* b) except -1:

@@ -133,6 +133,7 @@ cdef class HostCachingAllocator:
     cdef uintptr_t reserve_next
     cdef int reserve_origin
     cdef object _thread
+    cdef readonly object background_error    # what stopped the polling thread, until malloc raises it
     cdef object _stop
     cdef object __weakref__
 
@@ -181,6 +182,8 @@ cdef class HostCachingAllocator:
         changed), ValueError/TypeError for a bad size."""
         cdef size_t n = request_size(nbytes)
         cdef uintptr_t ptr
+        if self.background_error is not None:
+            self._raise_background_error()
         if n == 0:
             return 0
         self._acquire()
@@ -578,6 +581,21 @@ cdef class HostCachingAllocator:
         finally:
             self._release()
 
+    def _background_stopped(self, error):
+        """The polling thread's last act when a poll raised: keep the error for the allocating
+        thread (a thread's exception has no caller to reach) and let the thread end, since what
+        failed would fail again every 100 us."""
+        self.background_error = error
+
+    cdef int _raise_background_error(self) except -1:
+        error = self.background_error
+        self.background_error = None
+        self._thread = None             # the next miss starts a new one
+        raise RuntimeError(
+            f"pinned_use_background_threads: the thread polling pinned blocks' events stopped on "
+            f"{type(error).__name__}: {error}; a new one starts at the next allocation that misses "
+            f"the cache") from error
+
     cdef int _start_thread(self) except -1:
         import threading
         import weakref
@@ -626,7 +644,8 @@ def _poll_loop(ref, stop):
             return
         try:
             alloc.poll_events()
-        except Exception:
-            pass            # e.g. a capture forbids queries now: the allocating thread will see it
+        except BaseException as error:
+            alloc._background_stopped(error)
+            return
         del alloc
         time.sleep(100e-6)

@@ -20,9 +20,9 @@ from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool,
                              single_reset_accumulated, NUM_STATS, ST_ALLOCATED_BYTES, ST_ACTIVE,
                              ST_ACTIVE_BYTES, ST_ALLOCATION, ST_REQUESTED_BYTES, ST_INACTIVE_SPLIT,
                              ST_INACTIVE_SPLIT_BYTES, ST_SEGMENT, ST_RESERVED_BYTES)
-from pyalloc._policy cimport kMinBlockSize, kSizeMax, is_free
+from pyalloc._policy cimport kMinBlockSize, kSizeMax, kSmallBuffer, is_free
 from pyalloc._device cimport DeviceState, lock_device, find_route
-from pyalloc._expandable cimport free_segment_structs
+from pyalloc._expandable cimport free_segment_structs, page_pool_counts
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_XDECREF
 from pyalloc.errors import AlreadyFreedError, NotAllocatedError
@@ -207,6 +207,9 @@ cdef int check_invariants(DeviceState* a) except -1:
                 f"expandable segment {head.segment.base:#x} counts {head.segment.mapped} mapped "
                 f"bytes, its blocks {seg_size}")
     for k in range(NUM_STATS):
+        if k == ST_RESERVED_BYTES:      # recycle_pages' page pool, by the class that counts it
+            recount[k][1] += a.st.free_pages[0].size() * kSmallBuffer
+            recount[k][2] += a.st.free_pages[1].size() * kSmallBuffer
         recount[k][0] = recount[k][1] + recount[k][2]
         for p in range(3):
             assert recount[k][p] == stat_current(&a.st.stats[k], p), (
@@ -257,6 +260,9 @@ cdef dict memory_stats(DeviceState* a):
     counters[3] = a.st.num_device_alloc
     counters[4] = a.st.num_device_free
     max_split = a.st.stat_max_split_size
+    cdef bint recycle = a.st.settings.recycle_pages
+    cdef int64_t pool_bytes = 0, remaps = 0
+    page_pool_counts(&a.st, &pool_bytes, &remaps)
     a.mutex.unlock()
     out = {}
     for k in range(NUM_STATS):
@@ -276,6 +282,9 @@ cdef dict memory_stats(DeviceState* a):
                               "num_device_alloc", "num_device_free")):
         out[name] = counters[k]
     out["max_split_size"] = -1 if max_split == kSizeMax else max_split
+    if recycle:     # recycle_pages: reserved_bytes count these pool bytes too
+        out["page_pool_bytes"] = pool_bytes
+        out["num_page_remaps"] = remaps
     return dict(sorted(out.items()))
 
 

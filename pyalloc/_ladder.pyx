@@ -24,7 +24,7 @@ from pyalloc._policy cimport (kSizeMax, round_size, is_small_request, segment_si
                               oversize_release_target)
 from pyalloc._state cimport commit_segment_alloc, commit_segment_free, commit_retry, commit_oom
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, expandable_growth_bytes,
-                                  whole_pages, mapped_bytes)
+                                  whole_pages, mapped_bytes, release_page_pool, page_pool_bytes)
 from pyalloc._device cimport (DeviceState, ReleaseCount, backend_of, lock_device, hand_out, find_route,
                               forget_segment_stream)
 from pyalloc._routing cimport private_cached
@@ -106,7 +106,9 @@ cdef int new_memory(DeviceState* a, ReleaseCount* dry, BlockPool* pool, uintptr_
     if dry == NULL:
         return alloc_block(a, pool, stream, alloc_size, size, is_retry, context_id, out)
     cdef size_t limit = a.st.settings.allowed_memory_maximum
-    if limit != kSizeMax and dry.reserved - dry.released + alloc_size > limit:
+    # (recycle_pages: the growth counts against the limit only the memory it creates)
+    cdef size_t counted_size = dry.physical if a.st.settings.recycle_pages else alloc_size
+    if limit != kSizeMax and dry.reserved - dry.released + counted_size > limit:
         return BACKEND_OOM
     return 0 if dry.physical <= dry.free_bytes + dry.released else BACKEND_OOM
 
@@ -122,10 +124,13 @@ cdef int alloc_block(DeviceState* a, BlockPool* pool, uintptr_t stream, size_t a
     if is_retry:
         commit_retry(&a.st)
     cdef size_t limit = a.st.settings.allowed_memory_maximum
-    if limit != kSizeMax and a.st.total_allocated_memory + alloc_size > limit:
+    # (recycle_pages: the expandable growth checks the limit against the memory it creates)
+    if (limit != kSizeMax and not a.st.settings.recycle_pages
+            and a.st.total_allocated_memory + alloc_size > limit):
         return BACKEND_OOM
     if a.st.settings.expandable_segments:
-        return try_allocate_expandable_block(&a.st, backend_of(a), pool, stream, size, out)
+        return try_allocate_expandable_block(&a.st, backend_of(a), pool, stream, size,
+                                             a.capture_routes == 0, out)
     cdef uintptr_t ptr = 0
     cdef int rc
     if a.st.settings.release_lock_on_malloc:
@@ -200,7 +205,12 @@ cdef int release_blocks(DeviceState* a, ReleaseCount* dry, BlockPool* pool) exce
 cdef int release_cached_blocks(DeviceState* a, ReleaseCount* dry) except -1:
     """PyTorch's release_cached_blocks({0, 0}): with no route active, wait for every event and
     release the default pools' unsplit cached segments; then release every freeable private pool.
+    recycle_pages' page pool goes first (its pages are mapped nowhere: no capture uses them).
     (A dry run cannot wait: blocks still waiting for events are not counted.)"""
+    if dry == NULL:
+        release_page_pool(&a.st, backend_of(a))
+    else:
+        dry.released += page_pool_bytes(&a.st)
     if a.captures_underway.empty():
         if dry == NULL:
             synchronize_and_free_events(a)
@@ -357,7 +367,7 @@ cdef size_t policy_release_bytes(DeviceState* a, size_t orig_size, uintptr_t str
     # growth maps now (the same walk as the real allocation). The steps that test it change no
     # expandable segment (GC and the max_split_size release skip them), and the full flush,
     # which does, is the last step: what it releases is released whether the retry fits or not.
-    dry.physical = (expandable_growth_bytes(pool, stream, size) if s.expandable_segments
+    dry.physical = (expandable_growth_bytes(&a.st, pool, stream, size) if s.expandable_segments
                     else segment_size_for(size))
     cdef Block* b = NULL
     cdef bint cached = False
@@ -409,7 +419,8 @@ cdef size_t grow_expandable(DeviceState* a, bint is_small, uintptr_t stream, siz
     cdef Block* b
     if nbytes <= have:
         return 0
-    if try_allocate_expandable_block(&a.st, backend_of(a), pool, stream, nbytes - have, &b) == BACKEND_OOM:
+    if try_allocate_expandable_block(&a.st, backend_of(a), pool, stream, nbytes - have,
+                                     a.capture_routes == 0, &b) == BACKEND_OOM:
         record_oom(a, nbytes - have, nbytes - have, stream, 0)
         return nbytes - have
     pool.blocks.insert(b)

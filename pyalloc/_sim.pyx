@@ -102,6 +102,8 @@ _DRIVER_CALLS = {
     "event_destroy": "cuEventDestroy", "stream_synchronize": "cuStreamSynchronize",
     "device_synchronize": "cuCtxSynchronize", "vm_reserve": "cuMemAddressReserve",
     "vm_release": "cuMemAddressFree", "vm_map": "cuMemCreate", "vm_unmap": "cuMemUnmap",
+    "vm_unmap_keep": "cuMemRetainAllocationHandle", "vm_map_handles": "cuMemMap",
+    "vm_free_handles": "cuMemRelease",
     "capture_begin": "cuStreamBeginCapture", "capture_end": "cuStreamEndCapture",
     "capture_info": "cuStreamGetCaptureInfo", "node_dependencies": "cuGraphNodeGetDependencies",
     "graph_launch": "cuGraphLaunch", "graph_destroy": "cuGraphDestroy",
@@ -119,7 +121,11 @@ _RESULT_NAMES.update({code: name for code, name, _ in _ERRORS.values()})
 # below drops only the hook, the one reference a user can add to it.
 @cython.no_gc_clear
 cdef class SimDevice(Backend):
-    """A simulated device. Sizes are bytes; handles (streams, events, addresses) are ints.
+    """SimDevice(total_memory=85899345920, *, device=0, base_address=None, alignment=2097152,
+                 top_down=False, check_reuse=False)
+--
+
+    A simulated device. Sizes are bytes; handles (streams, events, addresses) are ints.
 
     Args:
         total_memory: device capacity in bytes (default 80 GiB).
@@ -193,6 +199,7 @@ cdef class SimDevice(Backend):
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
              "event_query", "event_synchronize", "event_destroy", "stream_synchronize",
              "device_synchronize", "vm_reserve", "vm_release", "vm_map", "vm_unmap",
+             "vm_unmap_keep", "vm_map_handles", "vm_free_handles",
              "capture_begin", "capture_end", "capture_info", "node_dependencies", "graph_launch",
              "graph_destroy", "memory_calls_during_capture", "check_handout",
              "injected_failures"), 0)
@@ -385,6 +392,63 @@ cdef class SimDevice(Backend):
         self._enter_memory("vm_unmap")
         return self._mem.unmap(addr, nbytes)
 
+    cdef int vm_unmap_keep(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles) except -1:
+        self._enter_memory("vm_unmap_keep")
+        self._check_page(page)
+        return self._mem.unmap_keep(addr, count, handles)
+
+    cdef int vm_map_handles(self, uintptr_t addr, size_t page, size_t count,
+                            const uintptr_t* handles) except -1:
+        self._enter_memory("vm_map_handles")
+        self._check_page(page)
+        return self._mem.map_pages(addr, count, handles)
+
+    cdef int vm_free_handles(self, size_t page, size_t count, const uintptr_t* handles) except -1:
+        self._enter_memory("vm_free_handles")
+        self._check_page(page)
+        return self._mem.free_pages(count, handles)
+
+    cdef int _check_page(self, size_t page) except -1:
+        if page != 2 * MiB:
+            raise ValueError(f"SimDevice: physical pages are 2 MiB ({2 * MiB} bytes), got {page}")
+        return 0
+
+    # The virtual memory calls from Python (counted, and failed by fail_next, as the core's are),
+    # for tests of the device model itself. Sizes in bytes; physical pages by handle (an int).
+
+    def reserve_address_space(self, size_t nbytes):
+        """vm_reserve: the base address of a new reservation of nbytes (whole 2 MiB pages)."""
+        cdef uintptr_t base = 0
+        self.vm_reserve(nbytes, &base)
+        return base
+
+    def map_new_pages(self, uintptr_t addr, size_t nbytes):
+        """vm_map: create and map the pages of [addr, addr + nbytes); False when out of memory."""
+        return self.vm_map(addr, nbytes, 2 * MiB) == BACKEND_OK
+
+    def unmap_keeping_pages(self, uintptr_t addr, size_t count):
+        """vm_unmap_keep: unmap `count` pages from addr; returns their handles, in address order."""
+        cdef vector[uintptr_t] handles
+        handles.resize(count)
+        self.vm_unmap_keep(addr, 2 * MiB, count, handles.data())
+        return list(handles)
+
+    def map_kept_pages(self, uintptr_t addr, handles):
+        """vm_map_handles: map the pages `handles` (mapped nowhere) at addr, addr + 2 MiB, ..."""
+        cdef vector[uintptr_t] h = [int(x) for x in handles]
+        self.vm_map_handles(addr, 2 * MiB, h.size(), h.data())
+
+    def free_kept_pages(self, handles):
+        """vm_free_handles: give the pages `handles` (mapped nowhere) back."""
+        cdef vector[uintptr_t] h = [int(x) for x in handles]
+        self.vm_free_handles(2 * MiB, h.size(), h.data())
+
+    @property
+    def unmapped_pages(self):
+        """Physical pages (2 MiB each) that exist but are mapped nowhere: memory used_memory counts
+        that no address reaches."""
+        return self._mem.unmapped_pages
+
     # ---------------------------------------------------------------- streams and work (_sim_streams)
 
     def create_stream(self):
@@ -572,8 +636,12 @@ cdef class SimDevice(Backend):
         X has not completed and that no wait of `stream` reaches (directly or through other
         streams' waits, with a target >= P); or a kernel node of an active capture, unless
         `stream` is in that capture and the node precedes its terminals. (Work queued on
-        `stream` itself runs first, in order. A capture that was invalidated never runs.)"""
+        `stream` itself runs first, in order. A capture that was invalidated never runs.)
+        RuntimeError when a page of the block, in an expandable segment, is not mapped."""
         self.counters["check_handout"] += 1
+        if not self._mem.handout_mapped(ptr, nbytes):
+            raise RuntimeError(f"SimDevice: block {ptr:#x} (+{nbytes} bytes) handed out with a page "
+                               "of its reservation unmapped")
         self._st.check_known(stream, "malloc")
         self._st.check_uses(ptr, nbytes, stream)
         if self._cap.live:

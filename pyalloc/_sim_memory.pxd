@@ -2,7 +2,7 @@
 # virtual memory reservations and their mapped pages, and the address slot of a live device.
 from libc.stdint cimport uintptr_t
 from libcpp.map cimport map as cppmap
-from libcpp.unordered_set cimport unordered_set
+from libcpp.unordered_map cimport unordered_map
 
 cdef extern from "_placement.h" namespace "pyalloc":
     cdef cppclass GapIndex:
@@ -26,7 +26,9 @@ cdef class AddressSpace:
     cdef dict placements                       # bytes -> deque of queued addresses
     cdef Py_ssize_t pending_placements
     cdef cppmap[uintptr_t, size_t] reservations     # reserved address ranges: base -> bytes
-    cdef unordered_set[uintptr_t] mapped_pages       # granule addresses currently mapped
+    cdef unordered_map[uintptr_t, uintptr_t] mapped_pages   # granule address -> its physical page
+    cdef unordered_map[uintptr_t, uintptr_t] pages  # physical page (handle) -> where mapped, 0: nowhere
+    cdef uintptr_t next_page                        # the next handle create_pages hands out
     cdef dict reservation_placements                # bytes -> list of queued base addresses
 
     cdef int alloc(self, size_t nbytes, uintptr_t* ptr) except -1     # BACKEND_OOM when full
@@ -35,6 +37,10 @@ cdef class AddressSpace:
     cdef int release(self, uintptr_t base, size_t nbytes) except -1
     cdef int map(self, uintptr_t addr, size_t nbytes) except -1       # BACKEND_OOM when full
     cdef int unmap(self, uintptr_t addr, size_t nbytes) except -1
+    cdef int unmap_keep(self, uintptr_t addr, size_t count, uintptr_t* handles) except -1
+    cdef int map_pages(self, uintptr_t addr, size_t count, const uintptr_t* handles) except -1
+    cdef int free_pages(self, size_t count, const uintptr_t* handles) except -1
+    cdef bint handout_mapped(self, uintptr_t addr, size_t nbytes)
 
     cdef bint _overlaps(self, uintptr_t addr, size_t nbytes)
     cdef size_t _gap_below(self, cppmap[uintptr_t, size_t].iterator it)
@@ -46,4 +52,7 @@ cdef class AddressSpace:
     cdef uintptr_t _first_fit_walk(self, size_t nbytes)
     cdef uintptr_t _top_fit(self, size_t nbytes)
     cdef uintptr_t _top_fit_walk(self, size_t nbytes)
+    cdef int _check_kept(self, size_t count, const uintptr_t* handles, bint to_map) except -1
+    cdef int _check_unmapped(self, uintptr_t addr, size_t count) except -1
+    cdef int _check_mapped(self, uintptr_t addr, size_t count) except -1
     cdef int _check_range(self, uintptr_t addr, size_t nbytes, str what) except -1

@@ -5,7 +5,9 @@ It owns the capacity and the bytes in use (segments and mapped pages together), 
 and their placement (queued addresses from place_segments, else deterministic first fit from
 base_address up or, top_down, the highest fit below base_address + 1 TiB, found through a gap
 index), the virtual memory reservations for expandable segments with their mapped 2 MiB pages,
-and the address slot that keeps live devices' addresses apart. Sizes and addresses are bytes.
+the physical pages behind them (created by a map, kept apart from addresses by unmap_keep and
+mapped again by map_pages: used_memory counts them wherever they are), and the address slot
+that keeps live devices' addresses apart. Sizes and addresses are bytes.
 
 SimDevice (_sim.pyx) counts, injects failures and checks capture before it calls in here; the
 errors raised here are the ones SimDevice has always raised, word for word.
@@ -305,6 +307,11 @@ cdef class AddressSpace:
         """Bytes of physical memory mapped into reservations."""
         return self.mapped_pages.size() * GRANULE
 
+    @property
+    def unmapped_pages(self):
+        """Physical pages (2 MiB each) that exist but are mapped nowhere."""
+        return self.pages.size() - self.mapped_pages.size()
+
     def is_mapped(self, uintptr_t addr, size_t nbytes):
         """True when every 2 MiB page touching [addr, addr + nbytes) is mapped."""
         cdef uintptr_t page = addr & ~(GRANULE - 1)
@@ -313,6 +320,17 @@ cdef class AddressSpace:
                 return False
             page += GRANULE
         return True
+
+    cdef bint handout_mapped(self, uintptr_t addr, size_t nbytes):
+        """False when [addr, addr + nbytes) lies in a reservation and a page of it is unmapped
+        (memory of segments is always there)."""
+        cdef cppmap[uintptr_t, size_t].iterator it = self.reservations.upper_bound(addr)
+        if it == self.reservations.begin():
+            return True
+        dec(it)
+        if addr >= deref(it).first + deref(it).second:
+            return True
+        return self.is_mapped(addr, nbytes)
 
     def reservation_list(self):
         """Live reservations as a sorted list of (base address, size_bytes)."""
@@ -364,33 +382,94 @@ cdef class AddressSpace:
         return 0
 
     cdef int map(self, uintptr_t addr, size_t nbytes) except -1:
-        """Map physical memory to the unmapped pages of [addr, addr + nbytes), or BACKEND_OOM."""
+        """Create physical pages for the unmapped pages of [addr, addr + nbytes) and map them, or
+        BACKEND_OOM (nothing created) when the device has not the memory."""
         self._check_range(addr, nbytes, "map")
         if nbytes > self.total_memory - self.used_memory:
             return BACKEND_OOM
+        self._check_unmapped(addr, nbytes // GRANULE)
         cdef uintptr_t page = addr
         while page < addr + nbytes:
-            if self.mapped_pages.count(page):
-                raise RuntimeError(f"SimDevice: page {page:#x} mapped twice")
-            page += GRANULE
-        page = addr
-        while page < addr + nbytes:
-            self.mapped_pages.insert(page)
+            self.next_page += 1
+            self.pages[self.next_page] = page
+            self.mapped_pages[page] = self.next_page
             page += GRANULE
         self.used_memory += nbytes
         return BACKEND_OK
 
     cdef int unmap(self, uintptr_t addr, size_t nbytes) except -1:
-        """Unmap the mapped pages of [addr, addr + nbytes), giving their memory back."""
+        """Unmap the mapped pages of [addr, addr + nbytes) and give their memory back."""
         self._check_range(addr, nbytes, "unmap")
+        self._check_mapped(addr, nbytes // GRANULE)
         cdef uintptr_t page = addr
         while page < addr + nbytes:
-            if not self.mapped_pages.count(page):
-                raise RuntimeError(f"SimDevice: unmap of page {page:#x}, which is not mapped")
-            page += GRANULE
-        page = addr
-        while page < addr + nbytes:
+            self.pages.erase(self.mapped_pages[page])
             self.mapped_pages.erase(page)
             page += GRANULE
         self.used_memory -= nbytes
         return BACKEND_OK
+
+    cdef int unmap_keep(self, uintptr_t addr, size_t count, uintptr_t* handles) except -1:
+        """Unmap `count` mapped pages from addr, keeping their memory: handles[i] the page that
+        was at addr + i * 2 MiB."""
+        self._check_range(addr, count * GRANULE, "unmap")
+        self._check_mapped(addr, count)
+        cdef size_t i
+        cdef uintptr_t page
+        for i in range(count):
+            page = addr + i * GRANULE
+            handles[i] = self.mapped_pages[page]
+            self.pages[handles[i]] = 0
+            self.mapped_pages.erase(page)
+        return BACKEND_OK
+
+    cdef int map_pages(self, uintptr_t addr, size_t count, const uintptr_t* handles) except -1:
+        """Map existing physical pages mapped nowhere at addr, addr + 2 MiB, ..."""
+        self._check_range(addr, count * GRANULE, "map")
+        self._check_unmapped(addr, count)
+        self._check_kept(count, handles, True)
+        cdef size_t i, j
+        for i in range(count):
+            for j in range(i):
+                if handles[j] == handles[i]:
+                    raise RuntimeError(f"SimDevice: physical page {handles[i]} mapped twice in one call")
+        for i in range(count):
+            self.pages[handles[i]] = addr + i * GRANULE
+            self.mapped_pages[addr + i * GRANULE] = handles[i]
+        return BACKEND_OK
+
+    cdef int free_pages(self, size_t count, const uintptr_t* handles) except -1:
+        """Give back physical pages mapped nowhere."""
+        self._check_kept(count, handles, False)
+        cdef size_t i
+        for i in range(count):
+            self.pages.erase(handles[i])
+        self.used_memory -= count * GRANULE
+        return BACKEND_OK
+
+    cdef int _check_kept(self, size_t count, const uintptr_t* handles, bint to_map) except -1:
+        """Raise unless every page of handles exists and is mapped nowhere (to_map: for a map,
+        else for a release)."""
+        cdef size_t i
+        what = "map" if to_map else "release"
+        for i in range(count):
+            if not self.pages.count(handles[i]):
+                raise RuntimeError(f"SimDevice: {what} of physical page {handles[i]}, which does not exist")
+            if self.pages[handles[i]] != 0:
+                raise RuntimeError(f"SimDevice: {what} of physical page {handles[i]}, still mapped at "
+                                   f"{self.pages[handles[i]]:#x}" + (": mapped twice" if to_map else ""))
+        return 0
+
+    cdef int _check_unmapped(self, uintptr_t addr, size_t count) except -1:
+        cdef size_t i
+        for i in range(count):
+            if self.mapped_pages.count(addr + i * GRANULE):
+                raise RuntimeError(f"SimDevice: page {addr + i * GRANULE:#x} mapped twice")
+        return 0
+
+    cdef int _check_mapped(self, uintptr_t addr, size_t count) except -1:
+        cdef size_t i
+        for i in range(count):
+            if not self.mapped_pages.count(addr + i * GRANULE):
+                raise RuntimeError(f"SimDevice: unmap of page {addr + i * GRANULE:#x}, which is not mapped")
+        return 0

@@ -4,7 +4,7 @@
 from libc.stdint cimport uintptr_t, int64_t, uint32_t
 
 from pyalloc._types cimport (Block, BlockPool, CoreState, trace_record, unlikely, stat_add, stat_up, stat_down,
-                             stat_pool, ST_ALLOCATION, ST_SEGMENT, ST_ACTIVE, ST_ALLOCATED_BYTES,
+                             stat_pool, stat_move, ST_ALLOCATION, ST_SEGMENT, ST_ACTIVE, ST_ALLOCATED_BYTES,
                              ST_RESERVED_BYTES, ST_ACTIVE_BYTES, ST_REQUESTED_BYTES, TR_ALLOC,
                              TR_FREE_REQUESTED, TR_FREE_COMPLETED, TR_SEGMENT_ALLOC,
                              TR_SEGMENT_FREE, TR_SEGMENT_MAP, TR_SEGMENT_UNMAP, TR_OOM)
@@ -113,17 +113,21 @@ cdef inline void commit_segment_free(CoreState* st, Block* segment) noexcept nog
 
 
 cdef inline void commit_map(CoreState* st, BlockPool* pool, uintptr_t ptr, size_t size,
-                            uintptr_t stream) noexcept nogil:
-    """Pages [ptr, ptr + size) of an expandable segment of `pool` were mapped."""
-    commit_device_memory(st, pool, <int64_t>size)
+                            uintptr_t stream, size_t created) noexcept nogil:
+    """Pages [ptr, ptr + size) of an expandable segment of `pool` were mapped; `created` bytes of
+    them are new device memory (the rest came from the page pool: see commit_page_pool)."""
+    if created:
+        commit_device_memory(st, pool, <int64_t>created)
     if st.history_on:
         trace(st, TR_SEGMENT_MAP, ptr, size, stream, 0)
 
 
 cdef inline void commit_unmap(CoreState* st, BlockPool* pool, uintptr_t ptr, size_t size,
-                              uintptr_t stream) noexcept nogil:
-    """Pages [ptr, ptr + size) of an expandable segment of `pool` were unmapped."""
-    commit_device_memory(st, pool, -<int64_t>size)
+                              uintptr_t stream, bint kept) noexcept nogil:
+    """Pages [ptr, ptr + size) of an expandable segment of `pool` were unmapped; `kept`: their
+    memory went to the page pool (see commit_page_pool), else back to the device."""
+    if not kept:
+        commit_device_memory(st, pool, -<int64_t>size)
     if st.history_on:
         trace(st, TR_SEGMENT_UNMAP, ptr, size, stream, 0)
 
@@ -145,3 +149,27 @@ cdef inline void commit_oom(CoreState* st, size_t free_bytes, size_t rounded, ui
     size) in size, and the failing call's stream and stack."""
     st.num_ooms += 1
     trace(st, TR_OOM, free_bytes, rounded, stream, context_id)
+
+
+cdef inline void commit_page_pool(CoreState* st, BlockPool* pool, bint counted_small,
+                                  int64_t delta) noexcept nogil:
+    """recycle_pages: `delta` bytes of pages left `pool`'s mapped pages for the page pool, where
+    size class `counted_small` counts them (delta > 0), or came from there into `pool` (delta <
+    0). Reserved bytes stay physical: the total is unchanged, the bytes move between the size
+    classes' rows when the two differ (as neither an allocation nor a free), and a private pool
+    stops (or starts) counting them."""
+    if counted_small != pool.is_small:
+        if delta > 0:
+            stat_move(&st.stats[ST_RESERVED_BYTES], pool_slot(pool), 1 if counted_small else 2, delta)
+        else:
+            stat_move(&st.stats[ST_RESERVED_BYTES], 1 if counted_small else 2, pool_slot(pool), -delta)
+    if pool.owner != NULL:
+        pool.owner.reserved_bytes -= delta
+
+
+cdef inline void commit_page_pool_release(CoreState* st, bint counted_small, size_t size) noexcept nogil:
+    """recycle_pages: `size` bytes of the page pool's pages of size class `counted_small` went
+    back to the device."""
+    st.total_allocated_memory -= size
+    stat_pool(&st.stats[ST_RESERVED_BYTES], counted_small, -<int64_t>size)
+    st.num_device_free += 1

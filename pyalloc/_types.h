@@ -49,7 +49,8 @@ struct PrivatePool;
 struct ExpandableSegment {
     uintptr_t base;        // first address of the reservation
     size_t size;           // bytes of address space reserved, a multiple of page_size
-    size_t page_size;      // bytes mapped at a time: 2 MiB (small pool) or 20 MiB (large pool)
+    size_t page_size;      // bytes mapped at a time: 2 MiB (small pool) or 20 MiB (large pool);
+                           // 2 MiB in both under recycle_pages
     uintptr_t stream;      // the one stream whose blocks live here
     BlockPool* pool;
     size_t mapped;         // bytes currently mapped (kept by the core's map/unmap)
@@ -412,6 +413,7 @@ struct Settings {
     size_t allowed_memory_maximum = (size_t)-1;  // SIZE_MAX: no per-process limit (0 allows nothing)
     double gc_threshold = 0.0;                   // fraction of allowed_memory_maximum; 0: off
     bool expandable_segments = false;
+    bool recycle_pages = false;                  // recycle_pages (pyalloc only, expandable segments)
     bool release_lock_on_malloc = false;         // release_lock_on_cudamalloc
     bool graph_reuse = false;                    // graph_capture_record_stream_reuse (#162186)
     bool graph_last_use = false;                 // graph_capture_last_use_marks (pyalloc only)
@@ -479,6 +481,17 @@ PYALLOC_INLINE void stat_down(StatRow* row, int pool_slot, int64_t amount) {
 PYALLOC_INLINE void stat_pool(StatRow* row, bool small_pool, int64_t delta) {
     if (delta >= 0) stat_up(row, small_pool ? 1 : 2, delta);
     else stat_down(row, small_pool ? 1 : 2, -delta);
+}
+// `amount` bytes of a row's entry from_slot counted in entry to_slot from now on (recycle_pages: a
+// physical page changes size class): "all" and both entries' cumulative increase and decrease
+// stay as they are (the bases move with the currents), since nothing was allocated or freed.
+PYALLOC_INLINE void stat_move(StatRow* row, int from_slot, int to_slot, int64_t amount) {
+    row->pool[from_slot - 1].current -= amount;
+    row->base[from_slot - 1] -= amount;
+    StatEntry* t = &row->pool[to_slot - 1];
+    t->current += amount;
+    row->base[to_slot - 1] += amount;
+    if (t->current > t->peak) t->peak = t->current;
 }
 // Entry p of a row (0 all, 1 small_pool, 2 large_pool): current, peak, cumulative increase and
 // decrease.
@@ -557,8 +570,13 @@ struct CoreState {
     int64_t num_device_alloc = 0;
     int64_t num_device_free = 0;
     size_t stat_max_split_size = SIZE_MAX;     // as when constructed, like PyTorch
-    size_t total_allocated_memory = 0;         // bytes in live segments and mapped pages
+    size_t total_allocated_memory = 0;         // bytes in live segments, mapped pages and free_pages
     std::vector<ExpandableSegment*> expandable_segments;
+    // recycle_pages: physical pages (backend handles of 2 MiB) mapped nowhere, by the size class
+    // whose reserved bytes count them ([0] small_pool, [1] large_pool: where they were mapped);
+    // and the pages mapped again from them since construction.
+    std::vector<uintptr_t> free_pages[2];
+    int64_t page_remaps = 0;
     TraceRing history;
 
     CoreState() = default;

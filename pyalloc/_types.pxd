@@ -71,11 +71,13 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         cppclass iterator:
             Block* operator*()
             iterator operator++()
+            iterator operator--()
             bint operator==(iterator)
             bint operator!=(iterator)
         iterator begin()
         iterator end()
         iterator lower_bound(Block*)
+        iterator upper_bound(Block*)
         iterator find(Block*)
         size_t erase(Block*)
         pair[iterator, bint] insert(Block*)
@@ -158,6 +160,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
     void stat_up(StatRow* row, int pool_slot, int64_t amount)
     void stat_down(StatRow* row, int pool_slot, int64_t amount)
     void stat_pool(StatRow* row, bint small_pool, int64_t delta)
+    void stat_move(StatRow* row, int from_slot, int to_slot, int64_t amount)
     int64_t stat_current(const StatRow* row, int p)
     int64_t stat_peak(const StatRow* row, int p)
     int64_t stat_allocated(const StatRow* row, int p)
@@ -196,6 +199,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         size_t roundup_divisions[16]
         double gc_threshold
         bint expandable_segments
+        bint recycle_pages
         bint release_lock_on_malloc
         bint graph_reuse
         bint graph_last_use
@@ -217,6 +221,8 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         size_t total_allocated_memory
         vector[Block*] spare_blocks
         vector[ExpandableSegment*] expandable_segments
+        vector[uintptr_t] free_pages[2]
+        int64_t page_remaps
         TraceRing history
         bint history_on
         uint32_t skip_actions_mask

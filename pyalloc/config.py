@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Mapping
 
 __all__ = [
-    "SIZE_MAX", "MiB", "ROUNDUP_POWER2_INTERVALS", "ENV_VARS",
+    "SIZE_MAX", "MiB", "ROUNDUP_POWER2_INTERVALS", "ENV_VARS", "PYALLOC_ONLY_KEYS",
     "ConfigError", "ConfigTokenizer", "AllocatorConfig", "CudaAllocatorConfig",
     "config_from_environment", "resolve_config",
     "current_settings", "set_allocator_settings", "get_allocator_settings",
@@ -50,6 +50,9 @@ MAX_REGISTER_THREADS = 128
 
 # PYALLOC_CONF is ours and wins; then PyTorch's own order (CUDA-specific name first).
 ENV_VARS = ("PYALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# Keys of pyalloc's own, which PyTorch rejects: a setting string with one belongs in PYALLOC_CONF.
+PYALLOC_ONLY_KEYS = ("graph_capture_last_use_marks", "graph_capture_cross_stream_reuse",
+                     "recycle_pages")
 
 _SEPARATORS = ",:[]"
 _GT_OUTSIDE_LIST = "'>' is only valid inside a list: roundup_power2_divisions:[...,>:M]"
@@ -460,6 +463,11 @@ class CudaAllocatorConfig(AllocatorConfig):
       graph_capture_cross_stream_reuse: bool, default False (pyalloc only): a whole segment freed
         in a capture may be reused on another stream of it once its markers precede that
         stream's terminals.
+      recycle_pages: bool, default False (pyalloc only; acts with expandable_segments:True):
+        physical pages are recycled between expandable segments. Pages are 2 MiB in both pools;
+        when a segment grows, the whole pages of free blocks elsewhere are unmapped into a pool
+        of physical pages that every map takes from before it creates memory. Reserved bytes
+        count that pool; empty_cache and the out-of-memory ladder release it first.
       per_process_memory_fraction: fraction of device memory in [0.0, 1.0], default 1.0.
     """
 
@@ -473,6 +481,7 @@ class CudaAllocatorConfig(AllocatorConfig):
         "graph_capture_record_stream_reuse": False,
         "graph_capture_last_use_marks": False,
         "graph_capture_cross_stream_reuse": False,
+        "recycle_pages": False,
         "per_process_memory_fraction": 1.0,
     }
 
@@ -495,6 +504,7 @@ class CudaAllocatorConfig(AllocatorConfig):
     # pyalloc's own keys (PyTorch rejects them: put them in PYALLOC_CONF); not in snapshots.
     _parse_graph_last_use = _bool_setting("graph_capture_last_use_marks")
     _parse_graph_cross_stream = _bool_setting("graph_capture_cross_stream_reuse")
+    _parse_recycle_pages = _bool_setting("recycle_pages")
 
     @_parses("pinned_num_register_threads")
     def _parse_pinned_num_register_threads(self, tok: ConfigTokenizer, i: int, key: str) -> int:

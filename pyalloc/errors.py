@@ -74,6 +74,11 @@ class OwnedByBufferError(PointerError):
 class NoCudaDriverError(RuntimeError):
     """The CUDA backend was asked for, but no driver or no GPU is available."""
 
+    # Spelled out so that inspect.signature has one to show: a RuntimeError subclass without an
+    # __init__ of its own has none (RuntimeError's is a C slot without a text signature).
+    def __init__(self, message):
+        super().__init__(message)
+
 
 class ReuseError(RuntimeError):
     """The reuse sanitizer (SimDevice(check_reuse=True)) found a block handed out while work that

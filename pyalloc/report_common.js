@@ -58,3 +58,21 @@ function axes(svg, W, H, M, n, yinfo, X, Y) {
   }
   el("text", {x: W - M.r, y: H - 4, "text-anchor": "end"}, g).textContent = "trace event";
 }
+// A chart of bytes over trace events in host element `hostId`: its svg (viewBox W x H, margins M),
+// the y axis up to `ymax` bytes, n (events, at least 1), the scales X (event index) and Y (bytes),
+// the axes drawn.
+function chart(hostId, svgId, label, W, H, M, ymax) {
+  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, id: svgId, role: "img", "aria-label": label},
+                 document.getElementById(hostId));
+  const n = Math.max(1, D.n);
+  const yinfo = byteTicks(ymax);
+  const X = i => M.l + (W - M.l - M.r) * i / n;
+  const Y = v => H - M.b - (H - M.t - M.b) * v / yinfo.top;
+  axes(svg, W, H, M, n, yinfo, X, Y);
+  return {svg, n, X, Y};
+}
+// Called by each page's script once it has drawn: the browser tests wait for data-rendered.
+function rendered() {
+  document.body.setAttribute("data-render-ms", performance.now().toFixed(1));
+  document.body.setAttribute("data-rendered", "1");
+}

@@ -1,15 +1,8 @@
 function drawTune() {
-  const host = document.getElementById("tune-chart");
-  const W = 760, H = 480, M = {l: 70, r: 14, t: 16, b: 36};
-  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, id: "tune-svg", role: "img",
-                          "aria-label": "reserved memory per setting"}, host);
-  const n = Math.max(1, D.n);
   let ymax = 1;
   for (const r of D.rows) for (const v of r.y) if (v > ymax) ymax = v;
-  const yinfo = byteTicks(ymax * 1.04);
-  const X = i => M.l + (W - M.l - M.r) * i / n;
-  const Y = v => H - M.b - (H - M.t - M.b) * v / yinfo.top;
-  axes(svg, W, H, M, n, yinfo, X, Y);
+  const {svg, X, Y} = chart("tune-chart", "tune-svg", "reserved memory per setting",
+                            760, 480, {l: 70, r: 14, t: 16, b: 36}, ymax * 1.04);
   const paths = {};
   // The best setting is drawn last, on top of the others.
   const order = D.rows.slice().sort((a, b) => (a.best - b.best));
@@ -44,5 +37,4 @@ function drawTune() {
   svg.setAttribute("data-curves", String(D.rows.length));
 }
 drawTune();
-document.body.setAttribute("data-render-ms", performance.now().toFixed(1));
-document.body.setAttribute("data-rendered", "1");
+rendered();

@@ -4,17 +4,10 @@ function bucketAt(x) {            // the bucket holding event index x (binary se
   return lo;
 }
 function drawTimeline() {
-  const host = document.getElementById("timeline");
   const W = 1000, H = 360, M = {l: 74, r: 18, t: 30, b: 36};
-  const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, id: "timeline-svg", role: "img",
-                          "aria-label": "memory over the trace"}, host);
-  const n = Math.max(1, D.n);
   let ymax = 1;
   for (const s of D.series) for (const v of s.hi) if (v > ymax) ymax = v;
-  const yinfo = byteTicks(ymax * 1.06);
-  const X = i => M.l + (W - M.l - M.r) * i / n;
-  const Y = v => H - M.b - (H - M.t - M.b) * v / yinfo.top;
-  axes(svg, W, H, M, n, yinfo, X, Y);
+  const {svg, n, X, Y} = chart("timeline", "timeline-svg", "memory over the trace", W, H, M, ymax * 1.06);
   const drawn = {};
   for (const s of D.series) {
     const g = el("g", {class: "series", "data-name": s.name}, svg);
@@ -177,5 +170,4 @@ for (const host of document.querySelectorAll(".maphost")) {
 }
 for (const input of document.querySelectorAll('input[name="colour-by"]')) input.addEventListener("change", recolour);
 recolour();
-document.body.setAttribute("data-render-ms", performance.now().toFixed(1));
-document.body.setAttribute("data-rendered", "1");
+rendered();

@@ -49,6 +49,9 @@ _FREE_ACTIONS = frozenset(("free_requested", "free_completed"))
 class SnapshotError(ValueError):
     """A file is not a readable memory snapshot."""
 
+    def __init__(self, message):     # spelled out for inspect.signature (see errors.NoCudaDriverError)
+        super().__init__(message)
+
 
 # ------------------------------------------------------------------------------- history settings
 
@@ -303,13 +306,22 @@ def write_atomically(path, data):
     `path` once complete: a failure (full disk, an encoding error before this call) leaves any
     old file whole and no temporary file behind. A new file gets the mode open() would give it
     (0o666 less the umask), a replaced one keeps its own; a symbolic link is followed, so its
-    target is replaced and the link stays. Returns the bytes written; OSError when it cannot."""
+    target is replaced and the link stays. A path that is not a regular file (a device such as
+    /dev/null or /dev/full, a named pipe) is written in place, as open() would. Returns the bytes
+    written; OSError when it cannot."""
     path = os.path.realpath(os.fspath(path))
     folder, base = os.path.split(path)
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
+        st = os.stat(path)
     except FileNotFoundError:
-        mode = None
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # A rename would put a regular file where the device or pipe was (as root, even in /dev),
+        # and a full device's error would never be seen.
+        with open(path, "wb") as f:
+            f.write(data)
+        return len(data)
+    mode = None if st is None else stat.S_IMODE(st.st_mode)
     # The rename would replace a file this process may not write to; open() would refuse it.
     if mode is not None and not os.access(path, os.W_OK):
         raise PermissionError(13, "Permission denied", path)

@@ -41,7 +41,7 @@ import textwrap
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from pyalloc.config import CudaAllocatorConfig
+from pyalloc.config import PYALLOC_ONLY_KEYS, CudaAllocatorConfig
 from pyalloc.errors import format_bytes
 from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, RecordedOom, ReplayResult, check_memory_fraction,
                             classify_releases, fit_device_memory, recorded_oom, replay, settings_key)
@@ -86,6 +86,8 @@ def grid_settings(grid: str = "default") -> list[str]:
     if wide:
         out += [f"max_split_size_mb:{s},roundup_power2_divisions:{d}" for s in (128, 512) for d in (4, 8)]
     out.append("expandable_segments:True")
+    # pyalloc's own: physical pages recycled between expandable segments (docs/recycle_pages.md).
+    out.append("expandable_segments:True,recycle_pages:True")
     if wide:
         out.append("expandable_segments:True,roundup_power2_divisions:4")
     return out
@@ -198,10 +200,13 @@ class TuneResult:
         return text + (f" ({format_bytes(allowed)} allowed)" if allowed is not None else "")
 
     def best_line(self) -> str | None:
-        """`PYTORCH_CUDA_ALLOC_CONF=...` for the best setting, quoted for a POSIX shell."""
+        """`PYTORCH_CUDA_ALLOC_CONF=...` for the best setting, quoted for a POSIX shell
+        (`PYALLOC_CONF=...` when it has a key of pyalloc's own, which PyTorch rejects)."""
         if self.best is None:
             return None
-        return f"{ENV_NAME}={shlex.quote(self.best.config)}"
+        keys = {part.split(":", 1)[0].strip() for part in self.best.config.split(",")}
+        env = "PYALLOC_CONF" if keys & set(PYALLOC_ONLY_KEYS) else ENV_NAME
+        return f"{env}={shlex.quote(self.best.config)}"
 
     def as_dict(self):
         """A JSON-ready dict (no NaN or infinity: those become None)."""
@@ -350,6 +355,8 @@ def _terminate(pool):
     workers (so that none is left behind). Python 3.14 has pool.terminate_workers(); before it,
     the worker processes are only reachable as the private `_processes`."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    # Taken before shutdown(wait=False), which drops the pool's reference to it.
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()
@@ -359,7 +366,6 @@ def _terminate(pool):
     # exit wakes every pool's pipe (concurrent.futures' atexit hook), and racing that close it
     # printed "Exception ignored ... Bad file descriptor" after "pyalloc: interrupted". Wait for
     # the thread here, so that it is done before exit begins.
-    manager = getattr(pool, "_executor_manager_thread", None)
     if manager is not None:
         manager.join(timeout=5)
 

@@ -18,9 +18,10 @@ import ctypes
 import threading
 import time
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+import pytest
+
+from pyalloc import CachingAllocator, SimDevice
+from units import MiB, GiB
 
 WATCHDOG_S = 1.0
 
@@ -38,6 +39,62 @@ def cuda_unavailable_reason():
     except ImportError as exc:
         return f"needs cuda-bindings' driver module: {exc}"
     return None
+
+
+# ------------------------------------------------------------------------------- the harness
+#
+# A test file runs through it by importing `backend` (an autouse fixture: every test once on
+# SimDevice, [sim], and once on the GPU, [cuda], skipped with the reason where there is none),
+# `make` (the test's device and allocator) and `sim_only` (the mark of a test that needs what only
+# SimDevice has, with the reason): `from backends import backend, make, sim_only`.
+
+DEFAULT_SIM_MEMORY = 80 * GiB
+_backend = "sim"          # the running test's backend (the `backend` fixture sets it)
+_made = []                # the GPU devices the running test made, emptied and closed after it
+
+
+def sim_only(reason):
+    """Mark a test that runs on SimDevice only; `reason` names what only the simulator has."""
+    def mark(test):
+        test.sim_only = reason
+        return test
+    return mark
+
+
+@pytest.fixture(autouse=True, params=["sim", "cuda"])
+def backend(request):
+    """Every test once per backend: SimDevice, and the GPU where there is one."""
+    global _backend
+    if request.param == "cuda":
+        reason = getattr(request.function, "sim_only", None)
+        if reason is not None:
+            pytest.skip(f"SimDevice only: {reason}")
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+    _backend = request.param
+    try:
+        yield request.param
+    finally:
+        _backend = "sim"
+        made = list(_made)
+        _made.clear()
+        leftover = [dev.close() for dev in made]
+    assert not any(leftover), f"the GPU allocators still reserved {leftover} bytes after the test"
+
+
+def make(config="", total_memory=DEFAULT_SIM_MEMORY):
+    """A device and a CachingAllocator on it with an explicit config (no environment): a SimDevice
+    of `total_memory` bytes, or on the [cuda] run the GPU (tests/backends.py's CudaTestDevice)."""
+    if _backend == "sim":
+        sim = SimDevice(total_memory)
+        return sim, CachingAllocator(backend=sim, config=config)
+    assert total_memory == DEFAULT_SIM_MEMORY, "a test that needs a device of its own size is @sim_only"
+    alloc = CachingAllocator(backend="cuda", config=config)
+    dev = CudaTestDevice(alloc.backend)
+    dev.alloc = alloc
+    _made.append(dev)
+    return dev, alloc
 
 
 def _check(result, call):

@@ -13,7 +13,7 @@ import sys
 import traceback
 import weakref
 
-MiB = 1 << 20
+from units import MiB
 
 fake = ctypes.CDLL(sys.argv[1])
 fake.fake_launch.argtypes = [ctypes.c_size_t, ctypes.c_ulonglong]

@@ -10,7 +10,7 @@ import logging
 import sys
 import traceback
 
-MiB = 1 << 20
+from units import MiB
 DEVICE_RANGE = 0x10000000000          # fake addresses of device d lie in [(d+1)*RANGE, (d+2)*RANGE)
 
 fake = ctypes.CDLL(sys.argv[1])
@@ -671,6 +671,42 @@ def expandable_segments_map_and_unmap_in_relaxed_mode():
     return {"grow": grow_log, "status": status, "mapped": mapped, "shrink": shrink_log,
             "after": [dev.mapped_bytes, count("mapped_live"), count("reserved_live")],
             "mode_after": fake.fake_thread_mode()}
+
+
+@scenario
+def recycle_pages_maps_kept_handles_again():
+    # A free 8 MiB hole before a live block; a growth of another stream takes the hole's pages:
+    # cuMemUnmap without cuMemRelease, then cuMemMap of the same handles, no cuMemCreate.
+    # (The fake's device memory is shared with the other scenarios: figures are differences.)
+    base = fake.fake_used(0)
+    a = pyalloc.CachingAllocator(0, backend="cuda", config="expandable_segments:True,recycle_pages:True")
+    hole = a.malloc(8 * MiB, stream=91)
+    live = a.malloc(4 * MiB, stream=91)
+    a.free(hole)
+    used = fake.fake_used(0)
+    fake.fake_log_reset()
+    ptr = a.malloc(6 * MiB, stream=92)
+    grow_log = [e.split("@")[0] for e in driver_log() if not e.startswith("exchange")]
+    out = {"grow": grow_log, "used": [used, fake.fake_used(0)],
+           "reserved": [a.memory_reserved(), fake.fake_used(0) - base],
+           "remaps": a.memory_stats()["num_page_remaps"]}
+    a.free(ptr)
+    # A growth inside use_mem_pool that runs out of memory keeps the pages it took; empty_cache
+    # releases them.
+    pool = a.mem_pool()
+    try:
+        with a.use_mem_pool(pool):
+            a.malloc(1 << 40, stream=93)
+    except pyalloc.OutOfMemoryError:
+        pass
+    kept = a.memory_stats()["page_pool_bytes"]
+    del pool
+    a.empty_cache()
+    out["kept_then_released"] = [kept, a.memory_stats()["page_pool_bytes"], a.memory_reserved(),
+                                 fake.fake_used(0) - base]
+    a.free(live)
+    a.empty_cache()
+    return out
 
 
 @scenario

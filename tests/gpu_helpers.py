@@ -14,6 +14,13 @@ NEEDS_GPU = [
 ]
 
 
+def uint32_view(ptr, nbytes, owner):
+    """A CuPy uint32 array over pyalloc memory on device 0 (the owner keeps the allocator alive)."""
+    import cupy as cp
+    mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, device_id=0)
+    return cp.ndarray((nbytes // 4,), dtype=cp.uint32, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
 class HostFlag:
     """An int in mapped pinned host memory: the host writes it, a kernel polls it."""
 

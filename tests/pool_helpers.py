@@ -1,13 +1,18 @@
 """Helpers shared by the private-pool and graph tests (a module, not a conftest: imported by name)."""
 from pyalloc import CachingAllocator, SimDevice
 
-GiB = 1 << 30
+import backends
+from units import GiB
 
 
 def make(config="", total_memory=80 * GiB, check_reuse=False):
-    """A SimDevice (with the reuse sanitizer when `check_reuse`) and a CachingAllocator on it
-    with an explicit config (no environment)."""
-    sim = SimDevice(total_memory, check_reuse=check_reuse)
+    """The running test's device and a CachingAllocator on it with an explicit config (no
+    environment): tests/backends.py's make() (a SimDevice of `total_memory` bytes, or on a [cuda]
+    run the GPU), or a SimDevice with the reuse sanitizer when `check_reuse` (@sim_only tests)."""
+    if not check_reuse:
+        return backends.make(config, total_memory)
+    assert backends._backend == "sim", "a test of the reuse sanitizer is @sim_only"
+    sim = SimDevice(total_memory, check_reuse=True)
     return sim, CachingAllocator(backend=sim, config=config)
 
 

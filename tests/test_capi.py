@@ -18,7 +18,7 @@ import pytest
 import pyalloc
 from pyalloc import _capi
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+from units import KiB, MiB, GiB
 
 MALLOC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t,
                           ctypes.POINTER(ctypes.c_size_t))

@@ -30,8 +30,7 @@ from pyalloc.replay import looks_wrapped, replay, settings_key
 from pyalloc.snapshot import load
 from pyalloc._sim import SimDevice
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "tests" / "data"          # in the repository: a missing file fails, nothing skips
 PEAKS_FILE = TRACES / "torch-peaks.jsonl"

@@ -9,6 +9,7 @@ import os
 import pickle
 import resource
 import signal
+import stat
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from pyalloc import __main__ as cli
 from pyalloc import snapshot as snapshot_module
 from pyalloc.snapshot import load
 
-MiB = 1 << 20
+from units import MiB
 
 
 def entry(action="alloc", addr=1 << 30, size=4096, **fields):
@@ -114,6 +115,41 @@ def test_write_atomically_keeps_the_mode_of_the_file_it_replaces(tmp_path):
     path.chmod(0o640)
     snapshot_module.write_atomically(path, b"new")
     assert (path.read_bytes(), path.stat().st_mode & 0o777) == (b"new", 0o640)
+
+
+def test_write_atomically_writes_through_a_named_pipe_and_leaves_it_a_pipe(tmp_path):
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)     # so that the writer's open returns
+    try:
+        snapshot_module.write_atomically(pipe, b"page")
+        assert os.read(reader, 100) == b"page"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+
+
+def full_device(tmp_path):
+    """A device node like /dev/full (writes fail with ENOSPC) in tmp_path, so that a test that
+    fails replaces a copy and not the system's; skips where this process may not make one."""
+    path = tmp_path / "full"
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    except (PermissionError, AttributeError) as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    return path
+
+
+@pytest.mark.parametrize("command", [["view", "{trace}", "-o", "{out}"],
+                                     ["replay", "{trace}", "--dump", "{out}"]], ids=["view-o", "replay-dump"])
+def test_an_output_on_a_full_device_is_one_line_error_and_the_device_stays(tmp_path, command):
+    trace = write(tmp_path / "t.pickle", snapshot_of(alloc_free() * 50))
+    out = full_device(tmp_path)
+    proc = run_cli(tmp_path, *[a.format(trace=trace, out=out) for a in command])
+    assert proc.returncode == 2, proc.stderr.decode()
+    assert proc.stderr.decode().splitlines() == [proc.stderr.decode().strip()]
+    assert b"No space left on device" in proc.stderr and b"Traceback" not in proc.stderr
+    assert stat.S_ISCHR(os.stat(out).st_mode)
 
 
 # -- item 13: snapshots that made the command line print a traceback ------------------------------

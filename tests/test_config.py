@@ -26,7 +26,7 @@ except ImportError:
 
 ConfigError = config.ConfigError
 Cuda = config.CudaAllocatorConfig
-MiB = 1 << 20
+from units import MiB
 SIZE_MAX = 2**64 - 1
 TRACES = Path(__file__).resolve().parent / "data"     # PyTorch traces (tests/data/README.md)
 TRACE_FILES = sorted(TRACES.glob("*.pickle.gz"))

@@ -1,4 +1,5 @@
-"""The conformance suite's CUDA backend without a GPU: tests/test_core.py's [cuda] cases and the
+"""The conformance suite's CUDA backend without a GPU: the [cuda] cases of the files that run
+through the harness (HARNESS_FILES: tests/test_core.py, test_pools.py, test_history.py) and the
 property state machine's CUDA variant (tests/test_properties.py, CudaAllocatorMachine) run over
 CudaDevice against the fake driver (tests/fake_libcuda.c, compiled here into a libcuda.so.1 that
 cuda-bindings loads in place of the real one).
@@ -45,21 +46,30 @@ def run_child(fake_env, name, *args):
     return results
 
 
-@pytest.fixture(scope="module")
-def core_cases(fake_env):
-    """The [cuda] cases of the whole file (-k cannot pick them: it also matches the sim_only
-    attribute's name)."""
-    results = run_child(fake_env, "core", "test_core.py")
-    return {name: r for name, r in results.items() if "[cuda" in name}
+# The files that run through the conformance harness (tests/backends.py), each with the fewest
+# [cuda] cases it has and the fewest of them that must run (not @sim_only): a file that stops
+# running through the harness, or marks most of itself sim-only, fails here.
+HARNESS_FILES = {"test_core.py": (150, 100), "test_pools.py": (50, 40), "test_history.py": (70, 60)}
 
 
-def test_every_policy_specification_runs_on_the_cuda_backend(core_cases):
-    ran = [name for name, (outcome, _) in core_cases.items() if outcome == "passed"]
-    assert len(core_cases) > 150 and len(ran) > 100
+@pytest.fixture(scope="module", params=sorted(HARNESS_FILES))
+def cuda_cases(fake_env, request):
+    """(file, {test id: (outcome, message)} of its [cuda] cases); the whole file runs (-k cannot
+    pick the cases: it also matches the sim_only attribute's name)."""
+    results = run_child(fake_env, request.param.removesuffix(".py"), request.param)
+    return request.param, {name: r for name, r in results.items() if "[cuda" in name}
 
 
-def test_only_the_simulator_only_cases_are_skipped(core_cases):
-    other = {name: message for name, (outcome, message) in core_cases.items()
+def test_every_specification_runs_on_the_cuda_backend(cuda_cases):
+    file, cases = cuda_cases
+    ran = [name for name, (outcome, _) in cases.items() if outcome == "passed"]
+    least_cases, least_ran = HARNESS_FILES[file]
+    assert len(cases) > least_cases and len(ran) > least_ran
+
+
+def test_only_the_simulator_only_cases_are_skipped(cuda_cases):
+    _, cases = cuda_cases
+    other = {name: message for name, (outcome, message) in cases.items()
              if outcome == "skipped" and SIM_ONLY not in message}
     assert other == {}
 

@@ -17,11 +17,9 @@ import math
 import pytest
 
 from pyalloc import Buffer, CachingAllocator, OutOfMemoryError, SimDevice
-from backends import CudaTestDevice, cuda_unavailable_reason
+from backends import backend, make, sim_only  # noqa: F401 (backend: the autouse fixture)
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
               "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
@@ -33,55 +31,6 @@ ALL_KEYS = sorted(
     [f"{s}.{p}.{f}" for s in STAT_NAMES for p in POOLS for f in FIELDS]
     + [f"{s}.{f}" for s in ("oversize_allocations", "oversize_segments") for f in FIELDS]
     + list(SCALARS))
-
-
-DEFAULT_SIM_MEMORY = 80 * GiB
-_backend = "sim"          # the running test's backend (the `backend` fixture sets it)
-_made = []                # the GPU devices the running test made, emptied and closed after it
-
-
-def sim_only(reason):
-    """Mark a test that runs on SimDevice only; `reason` names what only the simulator has."""
-    def mark(test):
-        test.sim_only = reason
-        return test
-    return mark
-
-
-@pytest.fixture(autouse=True, params=["sim", "cuda"])
-def backend(request):
-    """Every test once per backend: SimDevice, and the GPU where there is one."""
-    global _backend
-    if request.param == "cuda":
-        reason = getattr(request.function, "sim_only", None)
-        if reason is not None:
-            pytest.skip(f"SimDevice only: {reason}")
-        reason = cuda_unavailable_reason()
-        if reason is not None:
-            pytest.skip(reason)
-    _backend = request.param
-    try:
-        yield request.param
-    finally:
-        _backend = "sim"
-        made = list(_made)
-        _made.clear()
-        leftover = [dev.close() for dev in made]
-    assert not any(leftover), f"the GPU allocators still reserved {leftover} bytes after the test"
-
-
-def make(config="", total_memory=DEFAULT_SIM_MEMORY):
-    """A device and a CachingAllocator on it with an explicit config (no environment): a SimDevice
-    of `total_memory` bytes, or on the [cuda] run the GPU (tests/backends.py's CudaTestDevice)."""
-    if _backend == "sim":
-        sim = SimDevice(total_memory)
-        return sim, CachingAllocator(backend=sim, config=config)
-    assert total_memory == DEFAULT_SIM_MEMORY, "a test that needs a device of its own size is @sim_only"
-    alloc = CachingAllocator(backend="cuda", config=config)
-    dev = CudaTestDevice(alloc.backend)
-    dev.alloc = alloc
-    _made.append(dev)
-    return dev, alloc
 
 
 def stat(alloc, key):

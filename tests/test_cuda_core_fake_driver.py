@@ -12,7 +12,7 @@ import pytest
 from fake_driver import child_env
 
 HERE = Path(__file__).resolve().parent
-MiB = 1 << 20
+from units import MiB
 
 try:
     import pyalloc.cuda_core as pcc

@@ -22,7 +22,7 @@ try:
 except ImportError as exc:
     pytest.skip(f"needs cuda.core (pip install cuda-core): {exc}", allow_module_level=True)
 
-MiB = 1 << 20
+from units import MiB
 
 
 class SimResource(pcc.PyallocMemoryResource):

@@ -22,8 +22,7 @@ import pyalloc
 from pyalloc import cuda_backend
 from pyalloc.errors import NoCudaDriverError, OutOfMemoryError
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 
 
 def run_python(code, **env):

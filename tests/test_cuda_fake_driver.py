@@ -15,7 +15,7 @@ import pytest
 from fake_driver import child_env
 
 HERE = Path(__file__).resolve().parent
-MiB = 1 << 20
+from units import MiB
 RANGE = 0x10000000000
 
 
@@ -403,6 +403,24 @@ def test_expandable_segments_reserve_map_unmap_and_release_in_relaxed_mode(resul
     assert v["shrink"] == ["exchange:0->2", "cuMemUnmap@2", "cuMemRelease@2", "exchange:2->0",
                            "exchange:0->2", "cuMemAddressFree@2", "exchange:2->0"]
     assert v["after"] == [0, 0, 0] and v["mode_after"] == 0
+
+
+def test_recycle_pages_unmaps_and_maps_the_same_handles_without_creating(results):
+    v = value(results, "recycle_pages_maps_kept_handles_again")
+    # (the pages are taken before the new segment's address space is reserved)
+    assert v["grow"] == ["cuMemUnmap", "cuMemGetInfo", "cuMemAddressReserve", "cuMemMap",
+                         "cuMemMap", "cuMemMap", "cuMemSetAccess"]
+    assert v["used"][0] == v["used"][1] and v["remaps"] == 3
+
+
+def test_recycle_pages_reserved_bytes_are_the_drivers_physical_memory(results):
+    v = value(results, "recycle_pages_maps_kept_handles_again")
+    assert v["reserved"][0] == v["reserved"][1]
+
+
+def test_recycle_pages_empty_cache_releases_kept_handles(results):
+    kept, after, reserved, used = value(results, "recycle_pages_maps_kept_handles_again")["kept_then_released"]
+    assert kept > 0 and after == 0 and reserved == used
 
 
 def test_exhausted_address_space_is_out_of_memory_for_the_ladder_which_releases_and_retries(results):

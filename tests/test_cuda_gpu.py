@@ -15,8 +15,7 @@ from gpu_helpers import NEEDS_GPU   # noqa: E402
 
 pytestmark = NEEDS_GPU
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 
 
 def drv(fn, *args):

@@ -19,8 +19,7 @@ pytestmark = NEEDS_GPU
 
 import pyalloc.cupy as pc   # noqa: E402
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 
 # Spins until the host sets *flag (or, as a safety net only, ~max_cycles GPU clocks pass), then
 # writes `value` everywhere in out[0:n]. Lets a test hold a stream busy for exactly as long as it

@@ -11,17 +11,11 @@ from pyalloc import cuda_backend
 
 cp = pytest.importorskip("cupy", reason="needs CuPy")
 
-from gpu_helpers import NEEDS_GPU   # noqa: E402
+from gpu_helpers import NEEDS_GPU, uint32_view as view   # noqa: E402
 
 pytestmark = NEEDS_GPU
 
 MiB = 1 << 20
-
-
-def view(ptr, nbytes, owner):
-    """A CuPy uint32 array over pyalloc memory (the owner keeps the allocator alive)."""
-    mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, device_id=0)
-    return cp.ndarray((nbytes // 4,), dtype=cp.uint32, memptr=cp.cuda.MemoryPointer(mem, 0))
 
 
 @pytest.fixture

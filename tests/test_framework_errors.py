@@ -13,7 +13,7 @@ import pytest
 import pyalloc
 from pyalloc.errors import OOM_FIGURES, framework_out_of_memory_error
 
-MiB = 1 << 20
+from units import MiB
 
 
 class FrameworkError(Exception):

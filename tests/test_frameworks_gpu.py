@@ -26,8 +26,7 @@ from gpu_helpers import NEEDS_GPU, let_numba_cuda_compile_with_this_numpy
 
 pytestmark = NEEDS_GPU
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 # Reuse tests empty the cache, allocate for a stream of their own and use this size, so that best
 # fit can only pick the blocks the test made: which address comes back then says what was reusable.
 ODD_BYTES = 5 * MiB + 12 * 1024

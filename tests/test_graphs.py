@@ -15,9 +15,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 from pool_helpers import make, pool_of
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 REUSE = "graph_capture_record_stream_reuse:True"
 

@@ -1,4 +1,8 @@
-"""Specification of memory history: the ring buffer, trace actions, arguments and user metadata."""
+"""Specification of memory history: the ring buffer, trace actions, arguments and user metadata.
+
+Every test runs on SimDevice and, where a GPU is present, on the GPU (tests/backends.py's harness,
+as tests/test_core.py: [sim] and [cuda]); @sim_only marks, with the reason, those that need what
+only the simulator has."""
 import sys
 import threading
 
@@ -9,20 +13,27 @@ import pyalloc
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 from pyalloc.snapshot import DEFAULT_MAX_ENTRIES, SKIPPABLE_ACTIONS
 
-MiB = 1 << 20
+import backends
+from backends import backend, make, sim_only  # noqa: F401 (backend: the autouse fixture)
+from units import MiB
 SMALL_SEGMENT = 2 * MiB       # a small-pool segment (requests up to 1 MiB)
 LARGE_SEGMENT = 20 * MiB      # a large-pool segment for requests in (1 MiB, 10 MiB)
 
 
 BASE = 0x7F0000000000
+HISTORY_MEMORY = 1 << 30      # the simulated device of make_allocator, unless a test asks for another
 
 
-def make_allocator(total_memory=1 << 30, **history):
-    """An allocator on a fresh SimDevice, recording history with `history` as arguments. Its
-    segments start at BASE even while another test device lives (live SimDevices without a
-    base_address get disjoint addresses), so that two runs of one program trace the same
-    addresses."""
-    alloc = CachingAllocator(backend=SimDevice(total_memory, base_address=BASE), config="")
+def make_allocator(total_memory=HISTORY_MEMORY, **history):
+    """An allocator recording history with `history` as arguments, on the running test's device
+    (tests/backends.py: [sim] or [cuda]). On SimDevice its segments start at BASE even while
+    another test device lives (live SimDevices without a base_address get disjoint addresses), so
+    that two runs of one program trace the same addresses."""
+    if backends._backend == "sim":
+        alloc = CachingAllocator(backend=SimDevice(total_memory, base_address=BASE), config="")
+    else:
+        assert total_memory == HISTORY_MEMORY, "a test that needs a device of its own size is @sim_only"
+        _, alloc = make()
     alloc.record_memory_history(**history)
     return alloc
 
@@ -55,6 +66,7 @@ def run_ops(alloc, sizes):
         alloc.free(alloc.malloc(n))
 
 
+@sim_only("two devices that hand out the same addresses (base_address), to compare their traces")
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 4096), min_size=1, max_size=60), capacity=st.integers(1, 50))
 def test_ring_buffer_keeps_newest_max_entries_in_order(sizes, capacity):
@@ -110,7 +122,7 @@ def test_enabled_none_stops_recording_and_clears():
 
 
 def test_history_is_off_by_default():
-    alloc = CachingAllocator(backend=SimDevice(), config="")
+    _, alloc = make()
     run_ops(alloc, [100])
     assert alloc.history_settings is None
     assert events(alloc) == []
@@ -156,8 +168,7 @@ def test_free_without_other_streams_completes_at_once():
 
 
 def test_free_of_block_used_on_another_stream_completes_when_that_work_does():
-    sim = SimDevice()
-    alloc = CachingAllocator(backend=sim, config="")
+    sim, alloc = make()
     alloc.record_memory_history(context=None)
     side = sim.create_stream()
     ptr = alloc.malloc(1000)
@@ -189,7 +200,7 @@ def test_empty_cache_records_segment_free_for_each_released_segment():
 
 
 def test_expandable_segments_record_segment_map_and_unmap():
-    alloc = CachingAllocator(backend=SimDevice(1 << 30), config="expandable_segments:True")
+    _, alloc = make("expandable_segments:True")
     alloc.record_memory_history(skip_actions=list(SKIPPABLE_ACTIONS))   # these cannot be skipped
     ptr = alloc.malloc(3 * MiB)
     alloc.free(ptr)
@@ -197,6 +208,7 @@ def test_expandable_segments_record_segment_map_and_unmap():
     assert events(alloc) == [("segment_map", ptr, LARGE_SEGMENT), ("segment_unmap", ptr, LARGE_SEGMENT)]
 
 
+@sim_only("a device of 64 MiB, so that out of memory comes where the test needs it")
 def test_oom_entry_has_device_free_bytes_and_rounded_request():
     alloc = make_allocator(total_memory=64 * MiB)
     keep = alloc.malloc(30 * MiB)
@@ -253,6 +265,7 @@ def do_everything(alloc):
         alloc.malloc(alloc.backend.total_memory + 1)
 
 
+@sim_only("a device of 256 MiB, so that an out-of-memory entry comes where the test needs it")
 @pytest.mark.parametrize("skipped", SKIPPABLE_ACTIONS)
 def test_skip_actions_drops_only_the_named_action(skipped):
     alloc = make_allocator(total_memory=256 * MiB, skip_actions=[skipped])
@@ -261,6 +274,7 @@ def test_skip_actions_drops_only_the_named_action(skipped):
     assert seen == set(SKIPPABLE_ACTIONS) - {skipped}
 
 
+@sim_only("a device of 256 MiB, so that an out-of-memory entry comes where the test needs it")
 def test_without_skip_actions_every_action_is_recorded():
     alloc = make_allocator(total_memory=256 * MiB)
     do_everything(alloc)
@@ -322,7 +336,7 @@ def test_bad_argument_leaves_history_unchanged(kwargs, error, text):
 
 
 def test_bad_argument_leaves_history_off_when_it_was_off():
-    alloc = CachingAllocator(backend=SimDevice(), config="")
+    _, alloc = make()
     with pytest.raises(ValueError):
         alloc.record_memory_history(context="bogus")
     run_ops(alloc, [100])
@@ -350,8 +364,7 @@ def test_metadata_is_stamped_on_trace_entries_while_set():
 
 def test_free_completed_by_a_later_malloc_carries_that_calls_metadata():
     # PyTorch's documented caveat: metadata is the value current when the event is recorded.
-    sim = SimDevice()
-    alloc = CachingAllocator(backend=sim, config="")
+    sim, alloc = make()
     alloc.record_memory_history()
     side = sim.create_stream()
     pyalloc.set_memory_metadata("weights")
@@ -471,7 +484,7 @@ def test_memory_by_metadata_equals_a_recount(ops):
 
 
 def test_memory_by_metadata_works_with_history_off_and_orders_largest_first():
-    alloc = CachingAllocator(backend=SimDevice(), config="")
+    _, alloc = make()
     pyalloc.set_memory_metadata("small")
     alloc.malloc(512)
     pyalloc.set_memory_metadata("big")
@@ -480,8 +493,7 @@ def test_memory_by_metadata_works_with_history_off_and_orders_largest_first():
 
 
 def test_memory_by_metadata_leaves_out_blocks_waiting_for_other_streams():
-    sim = SimDevice()
-    alloc = CachingAllocator(backend=sim, config="")
+    sim, alloc = make()
     side = sim.create_stream()
     pyalloc.set_memory_metadata("kv-cache")
     ptr = alloc.malloc(1000)

@@ -2,6 +2,7 @@
 simulated device: PyTorch's CachingHostAllocator rules (power-of-two blocks, a free list per size,
 record_event, empty_cache of idle blocks only), its host_memory_stats keys, each pinned_* setting,
 failures and bad input."""
+import sys
 import time
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 import pyalloc
 from pyalloc.host import HostAllocator
 
-KiB, MiB = 1 << 10, 1 << 20
+from units import KiB, MiB
 
 
 @pytest.fixture
@@ -335,16 +336,34 @@ def test_reserve_segment_blocks_count_as_host_allocations(dev):
     assert (s["num_host_alloc"], s["host_alloc_time"]["count"]) == (1, 1)
 
 
-def test_background_threads_setting_leaves_events_to_the_thread_on_a_hit(dev):
-    h = HostAllocator(dev, config="pinned_use_background_threads:True")
+def queries_of_one_hit(dev, h):
+    """Event queries made while this thread does one cache-hit malloc + free of 8 KiB, with one
+    freed block's event left pending (its copy stays queued). The polling thread queries too, so
+    it is kept off the GIL meanwhile: it runs Python between its polls, and this thread gives the
+    GIL up neither on a hit nor within a long switch interval."""
     s = dev.create_stream()
     p = h.malloc(4096)
+    h.host.copy(s, p, 4096)
     h.record_event(p, s)
     h.free(p)
     h.free(h.malloc(8192))
-    queries = dev.counters["event_query"]
-    h.free(h.malloc(8192))                 # a hit: this thread queries no event
-    assert dev.counters["event_query"] == queries
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        queries = dev.counters["event_query"]
+        h.free(h.malloc(8192))
+        return dev.counters["event_query"] - queries
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_background_threads_setting_leaves_events_to_the_thread_on_a_hit(dev):
+    h = HostAllocator(dev, config="pinned_use_background_threads:True")
+    assert queries_of_one_hit(dev, h) == 0
+
+
+def test_without_background_threads_a_hit_queries_the_pending_event(dev):
+    assert queries_of_one_hit(dev, HostAllocator(dev)) > 0
 
 
 def test_background_thread_returns_completed_blocks_to_their_free_list(dev):
@@ -359,6 +378,28 @@ def test_background_thread_returns_completed_blocks_to_their_free_list(dev):
     while h.pending_events and time.monotonic() < deadline:
         time.sleep(0.001)
     assert h.free_list_sizes() == {4096: 1}
+
+
+def test_an_error_in_the_polling_thread_is_raised_by_the_next_malloc(dev):
+    h = HostAllocator(dev, config="pinned_use_background_threads:True")
+    s = dev.create_stream()
+    h.malloc(64)                            # a miss starts the thread
+    p = h.malloc(4096)
+    h.record_event(p, s)
+    dev.fail_next("event_query")
+    h.free(p)
+    deadline = time.monotonic() + 30
+    while h.background_error is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="polling pinned blocks' events stopped") as info:
+        h.malloc(64)
+    assert info.value.__cause__ is not None
+    assert h.background_error is None
+    h.malloc(1 << 20)                        # a miss: polling starts again and collects p's event
+    deadline = time.monotonic() + 30
+    while h.pending_events and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert h.free_list_sizes().get(4096) == 1
 
 
 def test_without_background_threads_each_allocation_collects_events_first(dev, host):

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pyalloc import CudaError, SimDevice
 from pyalloc.host import HostAllocator
 
-KiB = 1 << 10
+from units import KiB
 SIZES = st.sampled_from([100, 4 * KiB, 4 * KiB, 6 * KiB, 64 * KiB])
 CONFIGS = ["", "pinned_use_cuda_host_register:True,pinned_num_register_threads:4",
            "pinned_reserve_segment_size_mb:1"]

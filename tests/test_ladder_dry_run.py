@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 
-MiB = 1 << 20
+from units import MiB
 
 SETTINGS = [
     "",
@@ -19,6 +19,8 @@ SETTINGS = [
     "expandable_segments:True,max_split_size_mb:20",
     "expandable_segments:True,garbage_collection_threshold:0.5",
     "expandable_segments:True,max_split_size_mb:64,garbage_collection_threshold:0.7",
+    "expandable_segments:True,recycle_pages:True",
+    "expandable_segments:True,recycle_pages:True,garbage_collection_threshold:0.5",
 ]
 
 

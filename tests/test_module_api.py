@@ -13,7 +13,7 @@ import pytest
 import pyalloc
 from pyalloc import defaults
 
-MiB = 1 << 20
+from units import MiB
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ numba_driver = pytest.importorskip("numba.cuda.cudadrv.driver",
                                    reason="needs numba and numba-cuda (pip install numba numba-cuda)")
 import pyalloc.numba as pn   # noqa: E402
 
-MiB = 1 << 20
+from units import MiB
 
 
 class FakeDevice:

@@ -4,8 +4,10 @@ The rules are PyTorch's (c10/cuda/CUDACachingAllocator.cpp and torch.cuda.MemPoo
 ids ((0, n) made by a user, (n, 0) by a capture), use counts and routing (the innermost matching
 route wins); a pool keeps its high-water mark while referenced; empty_cache under routing leaves the
 default pools alone (#158152); the OOM ladder under routing (no full flush; a use_on_oom pool lends
-only its cached blocks); no_split pools never split.
-Everything runs on a SimDevice; expected values are worked out from those rules.
+only its cached blocks); no_split pools never split. Expected values are worked out from those rules.
+Every test runs on SimDevice and, where a GPU is present, on the GPU (tests/backends.py's harness,
+as tests/test_core.py: [sim] and [cuda]); @sim_only marks, with the reason, those that need what
+only the simulator has.
 """
 import gc
 import threading
@@ -15,11 +17,10 @@ import pytest
 import pyalloc
 from pyalloc import CachingAllocator, MemPool, OutOfMemoryError, SimDevice
 from pyalloc._core import current_thread_key
+from backends import backend, sim_only  # noqa: F401 (backend: the autouse fixture)
 from pool_helpers import make, pool_of
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 
 
@@ -130,6 +131,8 @@ def test_routes_are_scanned_newest_first_lifo():
     alloc.end_allocate_to_pool(second.id)
     assert pool_of(alloc, alloc.malloc(4 * KiB)) == first.id
     alloc.end_allocate_to_pool(first.id)
+    for pool in (first, second):      # the uses begin_allocate_to_pool added (as PyTorch's callers do)
+        alloc.release_pool(pool.id)
 
 
 def test_a_threads_oldest_route_routes_it_under_newer_routes_of_other_threads():
@@ -145,8 +148,11 @@ def test_a_threads_oldest_route_routes_it_under_newer_routes_of_other_threads():
     alloc.end_allocate_to_pool(also_mine.id)
     assert pool_of(alloc, alloc.malloc(4 * KiB)) == (0, 0)
     alloc.end_allocate_to_pool(theirs.id)
+    for pool in (mine, theirs, also_mine):   # the uses begin_allocate_to_pool added
+        alloc.release_pool(pool.id)
 
 
+@sim_only("stream capture (begin_capture): the GPU adapter of tests/backends.py has none")
 @pytest.mark.parametrize("capture_route_newer", [True, False])
 def test_the_newer_of_a_capture_route_and_the_threads_route_takes_a_capturing_stream(
         capture_route_newer):
@@ -329,6 +335,7 @@ def test_empty_cache_inside_a_route_still_frees_freeable_pools():
     assert alloc._pool_info(old.id) is None
 
 
+@sim_only("a device of a few MiB, so that out of memory comes where the test needs it")
 def test_oom_inside_a_route_does_not_flush_the_default_pools():
     _, alloc = make(total_memory=4 * MiB)
     cached = alloc.malloc(512 * KiB)
@@ -343,6 +350,7 @@ def test_oom_inside_a_route_does_not_flush_the_default_pools():
     assert alloc.malloc(512 * KiB) == cached        # the default pool kept its segment
 
 
+@sim_only("a device of a few MiB, so that out of memory comes where the test needs it")
 def test_oom_outside_routes_flushes_and_retries():
     _, alloc = make(total_memory=20 * MiB)
     alloc.free(alloc.malloc(3 * MiB))               # a cached 20 MiB large segment
@@ -350,6 +358,7 @@ def test_oom_outside_routes_flushes_and_retries():
     assert alloc.memory_stats()["num_alloc_retries"] == 1
 
 
+@sim_only("a device of a few MiB, so that out of memory comes where the test needs it")
 def test_use_on_oom_pool_serves_a_default_request_from_its_cache():
     _, alloc = make(total_memory=2 * MiB)
     pool = alloc.mem_pool(use_on_oom=True)
@@ -359,6 +368,7 @@ def test_use_on_oom_pool_serves_a_default_request_from_its_cache():
     assert alloc.malloc(4 * KiB) == cached         # no memory left for a default segment
 
 
+@sim_only("a device of a few MiB, so that out of memory comes where the test needs it")
 def test_a_pool_without_use_on_oom_does_not_serve_default_requests():
     _, alloc = make(total_memory=2 * MiB)
     pool = alloc.mem_pool()
@@ -368,6 +378,7 @@ def test_a_pool_without_use_on_oom_does_not_serve_default_requests():
         alloc.malloc(4 * KiB)
 
 
+@sim_only("a device of a few MiB, so that out of memory comes where the test needs it")
 def test_released_pool_loses_use_on_oom():
     _, alloc = make(total_memory=2 * MiB)
     pool = alloc.mem_pool(use_on_oom=True)
@@ -378,6 +389,7 @@ def test_released_pool_loses_use_on_oom():
     assert pool_of(alloc, alloc.malloc(4 * KiB)) == (0, 0)
 
 
+@sim_only("a device of a few MiB, so that out of memory comes where the test needs it")
 def test_oom_message_reports_bytes_cached_in_private_pools():
     _, alloc = make(total_memory=4 * MiB)
     pool = alloc.mem_pool()
@@ -393,6 +405,7 @@ def test_oom_message_reports_bytes_cached_in_private_pools():
     assert err.value.reserved_unallocated == 4 * MiB - 4 * KiB - 2 * MiB
 
 
+@sim_only("a device of a few MiB, so that out of memory comes where the test needs it")
 def test_oom_message_hint_names_expandable_segments_and_tune():
     _, alloc = make(total_memory=2 * MiB)
     with pytest.raises(OutOfMemoryError) as err:

@@ -58,10 +58,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 
 from backends import cuda_unavailable_reason
+from budget import examples
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 CONFIGS = [
     "",
@@ -675,7 +674,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "1200")), stateful_step_count=50, deadline=None,
+    max_examples=examples(quick=200, thorough=1200), stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 TestAllocatorMachine = AllocatorMachine.TestCase

@@ -20,9 +20,7 @@ import pytest
 from pyalloc import Buffer, CachingAllocator, OutOfMemoryError, SimDevice, config
 from pyalloc._core import DeviceCachingAllocator
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 
 
 def run_python(code):

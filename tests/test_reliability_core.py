@@ -22,8 +22,7 @@ from pool_helpers import make, pool_of
 from test_capi import sim_defaults, table as c_table   # noqa: F401 (sim_defaults: a fixture)
 from pyalloc import _capi
 
-KiB = 1 << 10
-MiB = 1 << 20
+from units import KiB, MiB
 REUSE = "graph_capture_record_stream_reuse:True"
 
 

@@ -23,8 +23,7 @@ from pyalloc.replay import (allowed_bytes, classify_releases, device_for_allowed
 from pyalloc.snapshot import SnapshotError
 from pyalloc.tune import tune
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 OOM_DATA = Path(__file__).resolve().parent / "data" / "oom"
 FIGURES = ("peak_reserved", "peak_allocated", "peak_requested", "num_device_alloc",
            "num_alloc_retries", "num_ooms")

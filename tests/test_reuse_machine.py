@@ -19,9 +19,12 @@ The sanitizer checks every block the allocator hands out: ReuseError means a blo
 while a queued or captured kernel that is not ordered before the receiving stream's next work still
 uses it. The machine also fails on any CudaError that no injected failure explains (the program
 makes no call CUDA refuses, so one comes from the allocator), and after every step checks the
-allocator's invariants (_check_invariants), that no two live allocations overlap and that the
-statistics count the live ones. An operation whose driver call failed must leave the allocations
-and statistics as they were.
+allocator's invariants (_check_invariants), that no two live allocations overlap, that the
+statistics count the live ones and that reserved bytes are the device memory the allocator holds,
+within the device's capacity. The settings include recycle_pages, under which the device also
+refuses a page mapped twice and a block handed out with a page of its expandable segment
+unmapped. An operation whose driver call failed must leave the allocations and statistics as
+they were.
 
 PYALLOC_SANITIZER_EXAMPLES sets the number of examples (tools/soak_sanitizer.py runs more).
 """
@@ -34,12 +37,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pyalloc import CachingAllocator, CudaError, OutOfMemoryError, SimDevice
 
-KiB = 1 << 10
-MiB = 1 << 20
+from units import KiB, MiB
 REUSE = "graph_capture_record_stream_reuse:True"
 CONFIGS = ["", REUSE, REUSE + ",graph_capture_cross_stream_reuse:True",
            REUSE + ",graph_capture_last_use_marks:True", "expandable_segments:True",
-           "max_split_size_mb:20"]
+           "max_split_size_mb:20", "expandable_segments:True,recycle_pages:True"]
 # Few sizes, mostly small: freed blocks come back often, which is where reuse goes wrong.
 SIZES = st.sampled_from([4 * KiB] * 4 + [512 * KiB, 3 * MiB, 12 * MiB])
 WORKERS = 2
@@ -48,7 +50,7 @@ MODES = ("global", "thread_local", "relaxed")
 # Driver calls the allocator makes that may fail under it (capture begin/end are the program's).
 FAILING_CALLS = ("segment_alloc", "segment_free", "event_create", "event_record", "event_query",
                  "event_destroy", "capture_info", "node_dependencies", "vm_reserve", "vm_map",
-                 "vm_unmap", "vm_release")
+                 "vm_unmap", "vm_release", "vm_unmap_keep", "vm_map_handles", "vm_free_handles")
 FAILING_OPS = ("malloc", "free", "record_stream", "process_events", "empty_cache")
 EXAMPLES = int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "150"))
 
@@ -404,6 +406,9 @@ class ReuseMachine(RuleBasedStateMachine):
         for (_, a_end), (b_start, _) in zip(spans, spans[1:]):
             assert a_end <= b_start, f"live allocations overlap at {b_start:#x}"
         assert self.alloc.memory_stats()["allocation.all.current"] == len(self.live)
+        # Reserved bytes are the device memory the allocator holds (recycle_pages' page pool
+        # included), which the device never lets exceed its capacity.
+        assert self.alloc.memory_reserved() == self.sim.used_memory <= self.sim.total_memory
 
 
 class _Fixed:

@@ -10,8 +10,7 @@ import pytest
 from pyalloc import CachingAllocator, SimDevice
 from pyalloc.errors import ReuseError
 
-KiB = 1 << 10
-MiB = 1 << 20
+from units import KiB, MiB
 P = 0x10000          # an address the tests' kernels use; the sanitizer never dereferences it
 N = 4 * KiB
 
@@ -19,6 +18,12 @@ N = 4 * KiB
 def device():
     sim = SimDevice(check_reuse=True)
     return sim, sim.create_stream(), sim.create_stream(), sim.create_stream()
+
+
+def sanitized_allocator():
+    """A CachingAllocator on a SimDevice with the sanitizer on, and two streams of that device."""
+    sim = SimDevice(check_reuse=True)
+    return sim, CachingAllocator(backend=sim, config=""), sim.create_stream(), sim.create_stream()
 
 
 def join(sim, into, frm):
@@ -207,8 +212,7 @@ def test_graph_nodes_keep_int_uses_as_given():
 # ------------------------------------------------------------------------------- the allocator
 
 def test_the_allocator_calls_the_check_for_every_block_it_hands_out():
-    sim = SimDevice(check_reuse=True)
-    a = CachingAllocator(backend=sim, config="")
+    sim, a, _, _ = sanitized_allocator()
     ptrs = [a.malloc(size) for size in (100, 100, 3 * MiB)]
     a.free(ptrs[0])
     a.malloc(100)                               # a cache hit
@@ -216,9 +220,7 @@ def test_the_allocator_calls_the_check_for_every_block_it_hands_out():
 
 
 def test_the_allocator_with_record_stream_is_never_flagged():
-    sim = SimDevice(check_reuse=True)
-    a = CachingAllocator(backend=sim, config="")
-    s0, s1 = sim.create_stream(), sim.create_stream()
+    sim, a, s0, s1 = sanitized_allocator()
     ptr = a.malloc(N, s0)
     a.record_stream(ptr, s1)
     sim.launch(s1, uses=[(ptr, N)])
@@ -230,9 +232,7 @@ def test_the_allocator_with_record_stream_is_never_flagged():
 
 
 def test_a_block_freed_without_record_stream_while_another_stream_uses_it_is_flagged():
-    sim = SimDevice(check_reuse=True)
-    a = CachingAllocator(backend=sim, config="")
-    s0, s1 = sim.create_stream(), sim.create_stream()
+    sim, a, s0, s1 = sanitized_allocator()
     ptr = a.malloc(N, s0)
     sim.launch(s1, uses=[(ptr, N)])             # the program forgot record_stream(ptr, s1)
     a.free(ptr)

@@ -10,9 +10,7 @@ import pytest
 import pyalloc
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from units import KiB, MiB, GiB
 BASE = 0x7F0000000000      # SimDevice's documented default base_address
 
 

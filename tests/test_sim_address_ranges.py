@@ -9,7 +9,7 @@ import pytest
 
 from pyalloc import CachingAllocator, NotAllocatedError, SimDevice
 
-MiB = 1 << 20
+from units import MiB
 BASE = 0x7F0000000000               # the first live SimDevice's segments start here
 RESERVATIONS = 0x200000000000       # and its expandable segments' reservations here
 

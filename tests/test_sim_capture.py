@@ -15,7 +15,7 @@ import pytest
 
 from pyalloc import CachingAllocator, CudaError, SimDevice
 
-MiB = 1 << 20
+from units import MiB
 MODES = ["global", "thread_local", "relaxed"]
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from pyalloc import CachingAllocator, CudaError, SimDevice
 
-MiB = 1 << 20
+from units import MiB
 
 
 def test_the_next_call_raises_cuda_error_with_the_driver_call_and_result():

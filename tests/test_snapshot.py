@@ -18,7 +18,7 @@ from pyalloc import CachingAllocator, SimDevice
 from pyalloc.replay import replay
 from pyalloc.snapshot import SnapshotError, dump, load
 
-MiB = 1 << 20
+from units import MiB
 TRACES = Path(__file__).resolve().parent / "data"     # PyTorch traces (tests/data/README.md)
 
 

@@ -21,15 +21,13 @@ work queued and completed, record_stream, process_events and empty_cache, and ch
   that uses it (each launch uses the live blocks of its stream and those recorded for it) is
   not ordered before the receiving stream's next work.
 """
-import os
-
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pyalloc import CachingAllocator, SimDevice
 
-KiB = 1 << 10
-MiB = 1 << 20
+from budget import examples
+from units import KiB, MiB
 SIZES = st.sampled_from([4 * KiB, 512 * KiB, 1 * MiB, 3 * MiB, 12 * MiB])
 MAX_STREAMS = 4
 
@@ -199,7 +197,7 @@ class StreamChurnMachine(RuleBasedStateMachine):
 
 
 StreamChurnMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "800")), stateful_step_count=60, deadline=None,
+    max_examples=examples(quick=200, thorough=800), stateful_step_count=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 
 TestStreamChurnMachine = StreamChurnMachine.TestCase

@@ -16,7 +16,7 @@ import pytest
 
 from pyalloc import Buffer, CachingAllocator, CudaError, SimDevice
 
-KiB = 1 << 10
+from units import KiB
 
 
 class SimStream:

@@ -23,7 +23,7 @@ pytestmark = NEEDS_GPU
 
 import pyalloc.cupy as pc   # noqa: E402
 
-MiB = 1 << 20
+from units import MiB
 
 # Spins until the host sets *flag (or ~max_cycles GPU clocks pass, a safety net), then adds 1 to
 # every element of data[0:n]: holds a stream busy, using `data`, for as long as the test wants.

@@ -59,10 +59,10 @@ def run(capsys, *argv):
 # -- what a command builds -----------------------------------------------------------------------
 
 def test_tune_of_the_example_builds_one_allocator_per_replay(capsys, counts):
-    # The baseline at the trace's addresses, the own setting fresh, and the 17 settings of the
-    # default grid: 19 replays, one allocator each (38 before the Trace).
+    # The baseline at the trace's addresses, the own setting fresh, and the 18 settings of the
+    # default grid: 20 replays, one allocator each (38 before the Trace, with 17 settings).
     run(capsys, "tune", EXAMPLE, "--jobs", "1", "--json")
-    assert counts["replays"] == len(tune_module.grid_settings("default")) + 2 == 19
+    assert counts["replays"] == len(tune_module.grid_settings("default")) + 2 == 20
     assert counts["allocators"] == counts["replays"]
 
 

@@ -13,9 +13,10 @@ import pytest
 from pyalloc.__main__ import main
 from pyalloc.replay import (allowed_bytes, classify_releases, fit_device_memory, recorded_oom,
                             replay)
+from pyalloc import tune as tune_module
 from pyalloc.tune import format_report, tune
 
-MiB = 1 << 20
+from units import MiB
 DATA = Path(__file__).resolve().parent / "data"
 TIGHT = DATA / "oom" / "tight-fraction.pickle.gz"
 ORACLE = DATA / "oom" / "oracle-default.pickle.gz"
@@ -222,14 +223,30 @@ def long_trace(tmp_path_factory):
 @pytest.mark.parametrize("whom", ["group", "main"])
 def test_ctrl_c_stops_tune_fit_at_once_and_leaves_no_process(tmp_path, long_trace, whom):
     import signal
-    import time
     # Enough rows that the run takes far longer than the wait below on a fast machine (with 3
     # rows a quiet CI machine finished the whole run within the old fixed 4 s wait).
     configs = [a for mb in (32, 48, 64, 96, 128, 192, 256, 384, 512, 768)
                for a in ("--config", f"max_split_size_mb:{mb}")]
+    # The child gets SIGINT's default action: a suite started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt (the run finished, exit status 0, and the test failed).
     proc = subprocess.Popen([sys.executable, "-m", "pyalloc", "tune", str(long_trace), "--fit",
                              "--jobs", "2", *configs], cwd=tmp_path, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        interrupt_and_check(proc, whom)
+    finally:
+        if proc.poll() is None:          # a failed check leaves no run behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def interrupt_and_check(proc, whom):
+    """Wait for tune's workers, send SIGINT (to the group, or the main process only), and check
+    that the run stops at once, says so in one line, exits 130 and leaves no process."""
+    import signal
+    import time
 
     def workers():
         ps = subprocess.run(["ps", "-o", "pid=", "-s", str(proc.pid)], capture_output=True, text=True)
@@ -262,3 +279,24 @@ def test_tune_derives_the_same_device_whether_the_runs_fraction_is_in_its_settin
     found = tune(in_setting, grid=None, jobs=1, snapshot=in_setting)
     assert found.device_memory_derived and given.device_memory_derived
     assert found.device_memory == given.device_memory
+
+
+def test_terminating_tunes_pool_waits_for_its_manager_thread(monkeypatch):
+    # Else interpreter exit races the thread's closing of its wakeup pipe, and Ctrl-C printed
+    # "Exception ignored ... Bad file descriptor" after "pyalloc: interrupted". The thread is
+    # made slow to wind down, so that returning without waiting for it shows every time.
+    import time
+    from concurrent.futures import ProcessPoolExecutor, process
+    wind_down = process._ExecutorManagerThread.join_executor_internals
+
+    def slow_wind_down(self):
+        time.sleep(0.5)
+        wind_down(self)
+    monkeypatch.setattr(process._ExecutorManagerThread, "join_executor_internals", slow_wind_down)
+    pool = ProcessPoolExecutor(max_workers=2)
+    futures = [pool.submit(time.sleep, 30) for _ in range(4)]
+    while not any(f.running() for f in futures):
+        time.sleep(0.01)
+    manager = pool._executor_manager_thread
+    tune_module._terminate(pool)
+    assert not manager.is_alive()

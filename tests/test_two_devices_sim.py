@@ -4,7 +4,7 @@ import pyalloc
 from pyalloc import CachingAllocator, SimDevice
 from pool_helpers import pool_of
 
-KiB = 1 << 10
+from units import KiB
 
 
 def two_allocators():

@@ -32,8 +32,7 @@ from pyalloc._sim import SimDevice
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chromium import Chromium, find_chromium  # noqa: E402
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "small_train.pickle.gz"
 EXAMPLE_FIGURES = json.loads((REPO / "examples" / "small_train.json").read_text())

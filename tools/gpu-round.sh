@@ -3,7 +3,8 @@
 # one call (10 minutes) on one H200:
 #   bash tools/gpu-round.sh tests   the GPU tests (CUDA, CuPy, graphs, expandable, stream lifetime,
 #                                   PyTorch, Numba, cuda.core, four frameworks in one process), again
-#                                   under PYALLOC_CONF=expandable_segments:True, the conformance suite
+#                                   under PYALLOC_CONF=expandable_segments:True (and with
+#                                   recycle_pages:True), the conformance suite
 #                                   (tests/test_core.py on both backends, counts per backend, and
 #                                   the property machine on CudaDevice) and
 #                                   CuPy's own test files in .cupy_tests/ with and without pyalloc
@@ -45,6 +46,11 @@ tests)
     PYALLOC_CONF=expandable_segments:True timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider \
         tests/test_cuda_gpu.py tests/test_cupy_gpu.py tests/test_cupy_graph_gpu.py \
         tests/test_frameworks_gpu.py tests/test_stream_lifetime_gpu.py 2>&1 | tail -12
+    echo "== GPU tests, PYALLOC_CONF=expandable_segments:True,recycle_pages:True"
+    PYALLOC_CONF=expandable_segments:True,recycle_pages:True timeout 150 python3 -m pytest -q -rfE \
+        -p no:cacheprovider tests/test_cuda_gpu.py tests/test_cupy_gpu.py tests/test_cupy_graph_gpu.py \
+        tests/test_frameworks_gpu.py tests/test_stream_lifetime_gpu.py tests/test_recycle_pages_gpu.py \
+        2>&1 | tail -12
     echo "== conformance suite: tests/test_core.py on SimDevice and on the GPU"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_core.py \
         --junitxml="$OUT/conformance.xml" 2>&1 | tail -8

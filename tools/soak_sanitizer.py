@@ -10,6 +10,7 @@ It sets PYALLOC_SANITIZER_EXAMPLES, which tests/test_reuse_machine.py (and the m
 tests/test_properties.py's AllocatorMachine, tests/test_stream_churn_properties.py and the capture
 property of tests/test_graphs.py) take as their number of examples, runs pytest from the
 checkout and exits with its status. A failure prints the shrunk program hypothesis found.
+(A plain `pytest -q tests` runs the quick counts of tests/budget.py, .ci/run the thorough ones.)
 """
 import argparse
 import os
@@ -27,7 +28,7 @@ OTHERS = ["tests/test_properties.py::TestAllocatorMachine",
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--examples", type=int, default=2000,
-                        help="hypothesis examples per machine (default 2000; CI runs 150)")
+                        help="hypothesis examples per machine (default 2000; CI runs 150 to 1200)")
     parser.add_argument("--all", action="store_true",
                         help="also the allocator, stream-churn and capture machines")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
