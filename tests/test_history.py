@@ -33,9 +33,15 @@ def make_allocator(total_memory=HISTORY_MEMORY, **history):
         alloc = CachingAllocator(backend=SimDevice(total_memory, base_address=BASE), config="")
     else:
         assert total_memory == HISTORY_MEMORY, "a test that needs a device of its own size is @sim_only"
-        _, alloc = make()
+        dev, alloc = make()
+        alloc.test_device = dev           # CudaTestDevice: the GPU with SimDevice's test API
     alloc.record_memory_history(**history)
     return alloc
+
+
+def new_stream(alloc):
+    """A stream made by the allocator's device (a cache miss refuses a handle no stream has)."""
+    return getattr(alloc, "test_device", alloc.backend).create_stream()
 
 
 def trace(alloc):
@@ -145,7 +151,7 @@ def test_default_max_entries_is_documented_value():
 
 def test_alloc_entry_has_address_requested_size_and_stream():
     alloc = make_allocator()
-    stream = alloc.backend.create_stream()
+    stream = new_stream(alloc)
     ptr = alloc.malloc(1000, stream=stream)
     e = trace(alloc)[-1]
     assert (e["action"], e["addr"], e["size"], e["stream"]) == ("alloc", ptr, 1000, stream)
@@ -212,7 +218,7 @@ def test_expandable_segments_record_segment_map_and_unmap():
 def test_oom_entry_has_device_free_bytes_and_rounded_request():
     alloc = make_allocator(total_memory=64 * MiB)
     keep = alloc.malloc(30 * MiB)
-    stream = alloc.backend.create_stream()
+    stream = new_stream(alloc)
     with pytest.raises(OutOfMemoryError):
         alloc.malloc(40 * MiB + 1, stream=stream)
     e = trace(alloc)[-1]
