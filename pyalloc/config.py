@@ -460,6 +460,9 @@ class CudaAllocatorConfig(AllocatorConfig):
       graph_capture_cross_stream_reuse: bool, default False (pyalloc only): a whole segment freed
         in a capture may be reused on another stream of it once its markers precede that
         stream's terminals.
+      event_poll_streams: int, default 0 (pyalloc only): a malloc that a cached block serves
+        polls the pending events of at most this many streams, in turn, instead of every
+        stream's (a cache miss still polls them all first); 0 polls every stream, as PyTorch.
       per_process_memory_fraction: fraction of device memory in [0.0, 1.0], default 1.0.
     """
 
@@ -473,6 +476,7 @@ class CudaAllocatorConfig(AllocatorConfig):
         "graph_capture_record_stream_reuse": False,
         "graph_capture_last_use_marks": False,
         "graph_capture_cross_stream_reuse": False,
+        "event_poll_streams": 0,
         "per_process_memory_fraction": 1.0,
     }
 
@@ -495,6 +499,14 @@ class CudaAllocatorConfig(AllocatorConfig):
     # pyalloc's own keys (PyTorch rejects them: put them in PYALLOC_CONF); not in snapshots.
     _parse_graph_last_use = _bool_setting("graph_capture_last_use_marks")
     _parse_graph_cross_stream = _bool_setting("graph_capture_cross_stream_reuse")
+
+    @_parses("event_poll_streams")
+    def _parse_event_poll_streams(self, tok: ConfigTokenizer, i: int, key: str) -> int:
+        streams = tok.size(i, f"{key} (streams)")
+        if streams >= 1 << 32:
+            raise tok.error(i, f"{key}: streams polled per malloc must be below 2**32, got {streams}")
+        self.event_poll_streams = streams
+        return i + 1
 
     @_parses("pinned_num_register_threads")
     def _parse_pinned_num_register_threads(self, tok: ConfigTokenizer, i: int, key: str) -> int:
