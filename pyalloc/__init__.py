@@ -71,6 +71,9 @@ from pyalloc.defaults import (
     memory_snapshot, memory_stats, memory_stats_as_nested_dict, memory_summary,
     record_memory_history, record_stream, reset_accumulated_memory_stats, reset_peak_memory_stats,
     set_default_backend, set_per_process_memory_fraction, use_mem_pool)
+from pyalloc.host import (
+    empty_host_cache, host_memory_stats, host_memory_stats_as_nested_dict,
+    reset_accumulated_host_memory_stats, reset_peak_host_memory_stats)
 
 __version__ = "0.1.0"
 
@@ -88,11 +91,14 @@ __all__ = [
     "memory_stats", "memory_stats_as_nested_dict", "memory_summary", "record_memory_history",
     "record_stream", "reset_accumulated_memory_stats", "reset_peak_memory_stats",
     "set_default_backend", "set_per_process_memory_fraction",
+    # the process-wide pinned host memory allocator (pyalloc/host.py)
+    "empty_host_cache", "host_memory_stats", "host_memory_stats_as_nested_dict",
+    "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
 ]
 
 # Submodules imported on first use, so that `import pyalloc` then `pyalloc.tune.tune(...)` works
 # without every import paying for them (the hooks import their framework only when called).
-_LAZY_SUBMODULES = frozenset({"cuda_core", "cupy", "graphs", "numba", "torch", "tune", "view"})
+_LAZY_SUBMODULES = frozenset({"cuda_core", "cupy", "graphs", "host", "numba", "torch", "tune", "view"})
 
 
 def __getattr__(name):

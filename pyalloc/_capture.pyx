@@ -18,7 +18,7 @@ from pyalloc._types cimport (Block, BlockPool, CaptureReuse, CaptureUses, Deferr
                              StreamReuse)
 from pyalloc._policy cimport get_free_block, oversize_allowed
 from pyalloc._device cimport (DeviceState, backend_of, routes_capture, forget_stream_use,
-                              forget_block_uses, free_completed)
+                              forget_block_uses, free_completed, forget_segment_stream)
 from pyalloc._graphs cimport extend_ancestors, is_visited, all_visited, add_unique
 
 
@@ -256,6 +256,8 @@ cdef int free_safe_blocks_in_capture(DeviceState* a, uintptr_t stream, BlockPool
                 and all_visited(context, reuse, a.capture_uses[b].markers)):
             best = b
     if best != NULL:
+        forget_segment_stream(a, best.stream)
+        a.segments_by_stream[stream] += 1
         best.stream = stream            # a whole segment moves to the stream that may use it
         release_deferred(a, best, &a.capture_uses[best])
     return 0

@@ -48,7 +48,7 @@ from pyalloc._routing cimport (create_or_incref_pool, private_cached, private_re
                                end_route)
 from pyalloc._events cimport (destroy_events, process_events, release_allocation_streams,
                               reap_dropped_streams, prune_stream_pins, record_use,
-                              keep_allocation_stream)
+                              keep_allocation_stream, pin_stream)
 from pyalloc._introspect cimport (free_host_memory, check_invariants, memory_stats, segments,
                                   reset_peak_memory_stats, reset_accumulated_memory_stats,
                                   set_history, history_entries, live_bytes_by_metadata, pool_info,
@@ -405,8 +405,7 @@ cdef class DeviceCachingAllocator:
         finally:
             self.d.mutex.unlock()
         if pin:
-            with self.pins_lock:
-                self.stream_pins[s] = stream
+            pin_stream(&self.d, self.pins_lock, self.stream_pins, s, stream)
         if self.stream_pins:
             prune_stream_pins(&self.d, self.pins_lock, self.stream_pins)
 

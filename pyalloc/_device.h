@@ -39,11 +39,14 @@ struct DeviceState {
     BlockPool* large_blocks = new BlockPool(false, nullptr);
     ActiveMap active_blocks;                  // ptr -> block handed out or awaiting events
     size_t outstanding_events = 0;
-    std::vector<Route> captures_underway;     // newest last; scanned newest first
+    std::vector<Route> captures_underway;     // newest last
     int capture_routes = 0;                   // routes of kind ROUTE_CAPTURE active
-    bool capture_alloc_stacks = false;        // the snapshot layer records malloc stacks
-    bool capture_free_stacks = false;         // ... and free stacks
-    bool reuse_checked = false;               // the backend's reuse sanitizer is on
+    // Flags as ints (Cython's bint), as they were in the allocator object: with them the lock and
+    // the settings sit at the offsets the cache-hit path was measured with (D1 lines per pair,
+    // bench/cold_entry_pair.py --callgrind, read 3 more with one-byte flags).
+    int capture_alloc_stacks = 0;             // the snapshot layer records malloc stacks
+    int capture_free_stacks = 0;              // ... and free stacks
+    int reuse_checked = 0;                    // the backend's reuse sanitizer is on
     AllocatorLock mutex;
     CoreState st;                             // settings, statistics, history, spares
     PyObject* backend = nullptr;              // a Backend, borrowed: the allocator object owns it
@@ -58,6 +61,22 @@ struct DeviceState {
     std::unordered_map<uintptr_t, size_t> stream_use_counts;
     std::unordered_set<uintptr_t> allocation_streams_kept;
     std::unordered_map<uintptr_t, uintptr_t> retiring_streams;
+    size_t streams_since_reap = 0;            // new allocation streams since the last reap
+    // Handles whose use count reached zero while a pin may name them (and each newly pinned
+    // handle): the only pins a prune checks, so that a free costs the same however many pins
+    // are alive (prune_stream_pins). has_pins: the allocator object holds a pin (lock held).
+    std::vector<uintptr_t> pins_to_check;
+    bool has_pins = false;
+    // Segments (not expandable) held, by stream: every block belongs to a segment of its stream,
+    // so a stream has a block while it counts one here or owns an expandable segment
+    // (mark_streams_without_blocks). Updated where segments come and go, and where one changes
+    // streams (cross-stream reuse in a capture).
+    std::unordered_map<uintptr_t, size_t> segments_by_stream;
+    // The routes indexed, so that routing an allocation reads this thread's routes and the
+    // capture routes, not every thread's (routed_pool): by thread key (oldest first), and by seq.
+    std::unordered_map<uint64_t, std::vector<Route>> thread_routes;
+    std::map<uint64_t, Route> capture_routes_by_seq;
+    uint64_t last_route_seq = 0;
     // Private pools (MemPools, graph pools), and what a capture leaves behind.
     std::map<MempoolId, PrivatePool*> graph_pools;
     std::vector<Block*> deferred_blocks;      // freed with stream uses while routing; NULL: released

@@ -53,6 +53,13 @@ cdef extern from "_device.h" namespace "pyalloc" nogil:
         unordered_map[uintptr_t, size_t] stream_use_counts
         unordered_set[uintptr_t] allocation_streams_kept
         unordered_map[uintptr_t, uintptr_t] retiring_streams
+        size_t streams_since_reap
+        vector[uintptr_t] pins_to_check
+        bint has_pins
+        unordered_map[uintptr_t, size_t] segments_by_stream
+        unordered_map[uint64_t, vector[Route]] thread_routes
+        cppmap[uint64_t, Route] capture_routes_by_seq
+        uint64_t last_route_seq
         cppmap[MempoolId, PrivatePool*] graph_pools
         vector[Block*] deferred_blocks
         size_t deferred_released
@@ -149,6 +156,8 @@ cdef inline void forget_stream_use(DeviceState* a, uintptr_t stream) noexcept:
         return
     if deref(it).second <= 1:
         a.stream_use_counts.erase(it)
+        if a.has_pins:                # its pin (if any) may go now: the next prune checks it
+            a.pins_to_check.push_back(stream)
     else:
         a.stream_use_counts[stream] = deref(it).second - 1
 
@@ -165,6 +174,17 @@ cdef inline void forget_block_uses(DeviceState* a, Block* b) noexcept:
     """forget_stream_uses of all of b's stream uses, and its use index with them."""
     forget_stream_uses(a, &b.stream_uses)
     b.drop_use_index()
+
+
+cdef inline void forget_segment_stream(DeviceState* a, uintptr_t stream) noexcept:
+    """One segment of `stream` is gone (released, or moved to another stream)."""
+    it = a.segments_by_stream.find(stream)
+    if it == a.segments_by_stream.end():
+        return
+    if deref(it).second <= 1:
+        a.segments_by_stream.erase(it)
+    else:
+        a.segments_by_stream[stream] = deref(it).second - 1
 
 
 # ------------------------------------------------------------------------------- hand-out and free

@@ -17,6 +17,7 @@ cdef int flush_deferred_blocks(DeviceState* a) except -1
 cdef int release_allocation_streams(DeviceState* a, object pins_lock, dict objects) except -1
 cdef int reap_dropped_streams(DeviceState* a, object pins_lock, dict objects, dict pins) except -1
 cdef int prune_stream_pins(DeviceState* a, object pins_lock, dict pins) except -1
+cdef int pin_stream(DeviceState* a, object pins_lock, dict pins, uintptr_t s, object stream) except -1
 cdef bint record_use(DeviceState* a, Block* b, uintptr_t s, bint last_use) except -1
 cdef bint stream_is_alive(DeviceState* a, uintptr_t stream) except -1
 cdef int keep_allocation_stream(DeviceState* a, object pins_lock, dict objects, dict pins,

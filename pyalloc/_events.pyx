@@ -15,7 +15,7 @@ from cython.operator cimport dereference as deref, preincrement as inc
 from cpython.object cimport PyObject
 from cpython.dict cimport PyDict_Next, PyDict_GetItem
 
-from pyalloc._types cimport Block
+from pyalloc._types cimport Block, ExpandableSegment
 from pyalloc._state cimport commit_sync_all
 from pyalloc._device cimport (DeviceState, EventEntry, EventQueues, backend_of, lock_device,
                               forget_stream_uses, free_completed, stream_use_state, add_stream_use,
@@ -23,7 +23,6 @@ from pyalloc._device cimport (DeviceState, EventEntry, EventQueues, backend_of, 
 from pyalloc._capture cimport (forget_capture_uses, mark_captured_use, unmark_real_use, mark_last_use,
                                forget_last_use)
 from pyalloc.errors import CudaError
-from pyalloc._introspect cimport collect_blocks
 
 
 cdef inline uintptr_t take_recorded_event(DeviceState* a, uintptr_t stream) except? 0:
@@ -117,8 +116,8 @@ cdef int destroy_events(DeviceState* a, bint outstanding) except -1:
 
 cdef int drop_stream_objects(DeviceState* a, object pins_lock, dict objects,
                              mark_unused_fn mark) except -1:
-    """Drop the stream objects of `objects` (handle -> object: the record_stream pins or the
-    allocation streams) that `mark` marks unused.
+    """Drop the stream objects of `objects` (handle -> object: the allocation streams) that
+    `mark` marks unused.
 
     The handles are read into C before the allocator's lock, `mark` runs under it, and the
     objects are dropped after it: no Python object is made or freed under the lock (dropping a
@@ -146,28 +145,21 @@ cdef int drop_stream_objects(DeviceState* a, object pins_lock, dict objects,
 
 cdef int mark_streams_without_blocks(DeviceState* a, vector[uintptr_t]* handles,
                                      vector[char]* unused) except -1:
-    """(Lock held.) The allocation streams of which no block is left; they are no longer kept."""
-    cdef vector[Block*] blocks
+    """(Lock held.) The allocation streams of which no block is left; they are no longer kept.
+
+    Every block is in a segment of its own stream: the segments are counted by stream
+    (segments_by_stream), and the expandable ones are few (one a stream and pool kind), so the
+    cost follows the streams and segments, not the blocks."""
     cdef unordered_set[uintptr_t] in_use
-    cdef Block* b
+    cdef ExpandableSegment* seg
     cdef size_t i
-    collect_blocks(a, &blocks)
-    for b in blocks:
-        in_use.insert(b.stream)
+    for seg in a.st.expandable_segments:
+        in_use.insert(seg.stream)
     for i in range(handles.size()):
-        if not in_use.count(deref(handles)[i]):
+        if not in_use.count(deref(handles)[i]) and not a.segments_by_stream.count(deref(handles)[i]):
             deref(unused)[i] = 1
             a.allocation_streams_kept.erase(deref(handles)[i])
             forget_retiring_stream(a, deref(handles)[i])
-    return 0
-
-
-cdef int mark_streams_without_uses(DeviceState* a, vector[uintptr_t]* handles,
-                                   vector[char]* unused) except -1:
-    """(Lock held.) The record_stream pins that no block stream use names any more."""
-    cdef size_t i
-    for i in range(handles.size()):
-        deref(unused)[i] = a.stream_use_counts.count(deref(handles)[i]) == 0
     return 0
 
 
@@ -260,8 +252,42 @@ cdef int reap_dropped_streams(DeviceState* a, object pins_lock, dict objects, di
 
 cdef int prune_stream_pins(DeviceState* a, object pins_lock, dict pins) except -1:
     """Drop the record_stream pins (`pins`, handle -> stream object) that no block stream use
-    names any more."""
-    return drop_stream_objects(a, pins_lock, pins, mark_streams_without_uses)
+    names any more.
+
+    Only the handles of pins_to_check can have become unused since the last prune (a use count
+    reached zero, or a pin was set), so only they are checked: a free or record_stream costs the
+    same however many pins are alive. (The unlocked read of the list's size is a hint: a stale
+    one leaves the check to the next prune, or takes the locks for nothing.)"""
+    if a.pins_to_check.empty():
+        return 0
+    cdef vector[uintptr_t] handles, unused
+    cdef uintptr_t h
+    with pins_lock:
+        lock_device(a)
+        handles.swap(a.pins_to_check)
+        for h in handles:
+            if a.stream_use_counts.count(h) == 0:
+                unused.push_back(h)
+        a.mutex.unlock()
+        dropped = [pins.pop(h, None) for h in unused]
+        lock_device(a)
+        a.has_pins = len(pins) != 0
+        a.mutex.unlock()
+    del dropped              # outside pins_lock: a stream's destructor may call back into pyalloc
+    return 0
+
+
+cdef int pin_stream(DeviceState* a, object pins_lock, dict pins, uintptr_t s, object stream) except -1:
+    """Keep stream object `stream` (handle `s`) while a block stream use names it (record_stream)."""
+    with pins_lock:
+        pins[s] = stream
+        # Its use may be over already (another thread freed the block meanwhile, before the
+        # pin existed): the next prune checks it.
+        lock_device(a)
+        a.has_pins = True
+        a.pins_to_check.push_back(s)
+        a.mutex.unlock()
+    return 0
 
 
 cdef int flush_deferred_blocks(DeviceState* a) except -1:
@@ -446,7 +472,13 @@ cdef int keep_allocation_stream(DeviceState* a, object pins_lock, dict objects, 
         with pins_lock:
             objects[stream] = stream_object
         # A new stream: the program may be making streams and dropping them (CuPy destroys a
-        # stream when its object dies), so let go of the ones it has dropped.
-        if len(objects) > 1:
+        # stream when its object dies), so let go of the ones it has dropped. A reap reads every
+        # kept object, so it runs once the streams new since the last one number as many as the
+        # objects kept before them: a new stream costs the same however many are kept, and a
+        # dropped stream is let go within about three times as many new streams as were kept
+        # when it was dropped (process_events() reaps at once).
+        a.streams_since_reap += 1
+        if len(objects) > 1 and 2 * a.streams_since_reap >= <size_t>len(objects):
+            a.streams_since_reap = 0
             reap_dropped_streams(a, pins_lock, objects, pins)
     return 0

@@ -190,6 +190,7 @@ cdef int check_invariants(DeviceState* a) except -1:
     collect_blocks(a, &blocks)
     seen = set()
     reserved_by_pool = {}
+    segments_by_stream = {}
     for head in blocks:
         if head.prev != NULL:
             continue
@@ -237,6 +238,7 @@ cdef int check_invariants(DeviceState* a) except -1:
             b = b.next
         if not head.expandable:
             recount[ST_SEGMENT][p] += 1     # expandable maps are not counted as segments
+            segments_by_stream[head.stream] = segments_by_stream.get(head.stream, 0) + 1
         recount[ST_RESERVED_BYTES][p] += seg_size
         key = pool_id_tuple(head.pool)
         reserved_by_pool[key] = reserved_by_pool.get(key, 0) + seg_size
@@ -251,6 +253,9 @@ cdef int check_invariants(DeviceState* a) except -1:
                 f"{STAT_NAMES[k]}.{POOL_NAMES[p]}.current is {stat_current(&a.st.stats[k], p)}, "
                 f"recount gives {recount[k][p]}")
     assert a.st.total_allocated_memory == <size_t>recount[ST_RESERVED_BYTES][0]
+    counted = dict(a.segments_by_stream)
+    assert counted == segments_by_stream, (
+        f"segments by stream: counted {counted}, recount gives {segments_by_stream}")
     # Every pool's set must be in best-fit order with current keys (no stale entries), and every
     # private pool must know the bytes its segments hold.
     check_pool_order(a.small_blocks)

@@ -26,7 +26,8 @@ from pyalloc._policy cimport (kSizeMax, round_size, is_small_request, segment_si
 from pyalloc._state cimport commit_segment_alloc, commit_segment_free, commit_retry, commit_oom
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, expandable_growth_bytes,
                                   whole_pages, mapped_bytes)
-from pyalloc._device cimport DeviceState, ReleaseCount, backend_of, lock_device, hand_out, find_route
+from pyalloc._device cimport (DeviceState, ReleaseCount, backend_of, lock_device, hand_out, find_route,
+                              forget_segment_stream)
 from pyalloc._routing cimport private_cached
 from pyalloc._events cimport synchronize_and_free_events, stream_is_alive
 from pyalloc.errors import OutOfMemoryError, format_bytes
@@ -144,6 +145,7 @@ cdef int alloc_block(DeviceState* a, BlockPool* pool, uintptr_t stream, size_t a
         return BACKEND_OOM
     cdef Block* b = new_block(&a.st, stream, alloc_size, pool, ptr)
     commit_segment_alloc(&a.st, b, context_id)
+    a.segments_by_stream[stream] += 1
     out[0] = b
     return 0
 
@@ -159,6 +161,7 @@ cdef int release_block(DeviceState* a, Block* b) except -1:
     """Return the whole-segment free block `b` to the device."""
     backend_of(a).segment_free(b.ptr, b.size)
     commit_segment_free(&a.st, b)
+    forget_segment_stream(a, b.stream)
     b.pool.gc_remove(b)
     b.pool.blocks.erase(b)
     retire_block(&a.st, b)

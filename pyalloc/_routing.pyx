@@ -9,6 +9,8 @@ and large pools (PyTorch's PrivatePool and captures_underway).
 from libc.stdint cimport uintptr_t, uint64_t
 from libcpp.vector cimport vector
 from libcpp.pair cimport pair
+from libcpp.map cimport map as cppmap
+from libcpp.unordered_map cimport unordered_map
 from cython.operator cimport dereference as deref, preincrement as inc
 
 from pyalloc._types cimport BlockPool, BlockSet, MempoolId, PrivatePool, ROUTE_THREAD
@@ -21,23 +23,44 @@ from pyalloc._events cimport flush_deferred_blocks
 
 cdef PrivatePool* routed_pool(DeviceState* a, uintptr_t stream) except? NULL:
     """The pool of the newest route whose filter accepts an allocation on `stream` by this
-    thread, or NULL (the default pools)."""
-    cdef size_t i = a.captures_underway.size()
+    thread, or NULL (the default pools).
+
+    This thread's newest route (thread_routes), unless a capture route newer than it accepts
+    the stream's capture: the capture routes newer than it are tried newest first, and the
+    stream's capture is asked for (once) only when there is one. Other threads' routes are not
+    read, so the cost does not grow with how many are open."""
     cdef uint64_t me = thread_key_now()
+    cdef uint64_t mine = 0                  # seq of this thread's newest route; 0: none
+    cdef PrivatePool* pool = NULL
     cdef unsigned long long capture_id
     cdef vector[uintptr_t] terminals
     cdef int capturing = -1
-    while i > 0:
-        i -= 1
-        if a.captures_underway[i].kind == ROUTE_THREAD:
-            if a.captures_underway[i].value == me:
-                return a.captures_underway[i].pool
-        else:
-            if capturing < 0:
-                capturing = backend_of(a).capture_info(stream, &capture_id, &terminals)
-            if capturing and capture_id == a.captures_underway[i].value:
-                return a.captures_underway[i].pool
-    return NULL
+    cdef unordered_map[uint64_t, vector[Route]].iterator own = a.thread_routes.find(me)
+    if own != a.thread_routes.end():
+        mine = deref(own).second.back().seq
+        pool = deref(own).second.back().pool
+    cdef cppmap[uint64_t, Route].reverse_iterator it = a.capture_routes_by_seq.rbegin()
+    while it != a.capture_routes_by_seq.rend() and deref(it).first > mine:
+        if capturing < 0:
+            capturing = backend_of(a).capture_info(stream, &capture_id, &terminals)
+        if capturing and capture_id == deref(it).second.value:
+            return deref(it).second.pool
+        inc(it)
+    return pool
+
+
+cdef void forget_thread_route(DeviceState* a, Route route) noexcept:
+    """Take thread route `route` (ended) out of thread_routes."""
+    cdef unordered_map[uint64_t, vector[Route]].iterator own = a.thread_routes.find(route.value)
+    if own == a.thread_routes.end():
+        return
+    cdef size_t i
+    for i in range(deref(own).second.size()):
+        if deref(own).second[i].seq == route.seq:
+            deref(own).second.erase(deref(own).second.begin() + i)
+            break
+    if deref(own).second.empty():
+        a.thread_routes.erase(own)
 
 
 cdef PrivatePool* create_or_incref_pool(DeviceState* a, MempoolId pid) except NULL:
@@ -89,9 +112,14 @@ cdef int begin_route(DeviceState* a, Route route) except -1:
         raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id "
                            f"{(route.id.first, route.id.second)}")
     route.pool = create_or_incref_pool(a, route.id)
+    route.seq = a.last_route_seq + 1
     a.captures_underway.push_back(route)
+    a.last_route_seq = route.seq
     if route.kind == ROUTE_CAPTURE:
+        a.capture_routes_by_seq[route.seq] = route
         a.capture_routes += 1
+    else:
+        a.thread_routes[route.value].push_back(route)
     return 0
 
 
@@ -107,6 +135,9 @@ cdef int end_route(DeviceState* a, MempoolId pid) except -1:
         # post-capture path (events once no route is active).
         a.reuse_contexts.erase(route.value)
         a.capture_routes -= 1
+        a.capture_routes_by_seq.erase(route.seq)
+    else:
+        forget_thread_route(a, route)
     a.captures_underway.erase(a.captures_underway.begin() + i)
     if a.captures_underway.empty() and not a.deferred_blocks.empty():
         # No route is left: deferred blocks get their events now (PyTorch does this at the next

@@ -437,6 +437,7 @@ struct Route {
     int kind;          // RouteFilterKind
     uint64_t value;    // ROUTE_THREAD: the thread's key (current_thread_key); ROUTE_CAPTURE: capture id
     PrivatePool* pool;
+    uint64_t seq;      // order of creation (1, 2, ...): the newest accepting route wins
 };
 
 // What the core remembers of a block used or freed while a capture is underway.

@@ -126,6 +126,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         int kind
         uint64_t value
         PrivatePool* pool
+        uint64_t seq
 
     cdef cppclass ActiveMap:
         ActiveMap()

@@ -81,6 +81,9 @@ class CachingAllocator(DeviceCachingAllocator):
         self._settings = settings
         self._history = None          # HistorySettings while memory history is on
         self._stacks = None           # StackTable, made when stacks are first asked for
+        # Set by pyalloc.defaults when set_default_backend() drops this allocator as its device's
+        # default: a MemPool made on it may no longer be routed (pools.use_mem_pool).
+        self.retired_default = False
         self._apply_settings(settings)
         self._init_stat_max_split_size()
         if settings.per_process_memory_fraction < 1.0:

@@ -39,6 +39,7 @@ __all__ = ["install", "uninstall", "using", "is_installed", "allocator", "out_of
 
 _lock = threading.Lock()
 _installed = None          # (our allocator function, CuPy's allocator before install) while installed
+_pinned_installed = None   # our pinned memory allocator function while install(pinned=True) holds
 _oom_class = None
 
 
@@ -156,23 +157,61 @@ def _check_default_backend():
             raise NoCudaDriverError(f"pyalloc.cupy needs a GPU: {cuda_backend.unavailable_reason()}")
 
 
-def install(device=None, detect_capture="route"):
+def install(device=None, detect_capture="route", pinned=False):
     """Make pyalloc CuPy's allocator for the whole process (cupy.cuda.set_allocator).
 
     device: None routes every device through pyalloc; an ordinal routes only that device and
     leaves the others to the allocator CuPy had before. Installing again replaces the previous
     install (keeping the allocator from before the first one for uninstall).
     detect_capture: see allocator().
+    pinned: also make pyalloc's process-wide host allocator CuPy's pinned memory allocator
+    (cupy.cuda.set_pinned_memory_allocator: cupyx.empty_pinned, cupy.cuda.alloc_pinned_memory);
+    default False, CuPy's PinnedMemoryPool stays.
     Raises NoCudaDriverError when there is no GPU (or the default backend is not the GPU).
     """
-    global _installed
+    global _installed, _pinned_installed
     cupy = _import_cupy()
     _check_default_backend()
     with _lock:
         previous = _installed[1] if _installed is not None else cupy.cuda.get_allocator()
         fn = allocator(device, previous if device is not None else None, detect_capture=detect_capture)
+        if pinned:
+            pinned_fn = pinned_allocator()
+            cupy.cuda.set_pinned_memory_allocator(pinned_fn)
+            _pinned_installed = pinned_fn
         cupy.cuda.set_allocator(fn)
         _installed = (fn, previous)
+
+
+class PinnedBlock:
+    """A block of pyalloc's host allocator as CuPy's PinnedMemoryPointer holds its memory (.ptr,
+    .size in bytes): the block goes back to the allocator when CuPy drops the last reference."""
+    __slots__ = ("ptr", "size", "_host")
+
+    def __init__(self, host, size):
+        self._host = host
+        self.size = size
+        self.ptr = host.malloc(size)
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            self._host.free(ptr)
+
+
+def pinned_allocator(host=None):
+    """A function(size) -> cupy.cuda.PinnedMemoryPointer over pyalloc's host allocator `host`
+    (default: the process-wide one, pyalloc.host.get_host_allocator()), for
+    cupy.cuda.set_pinned_memory_allocator."""
+    cupy = _import_cupy()
+    if host is None:
+        from pyalloc.host import get_host_allocator
+        host = get_host_allocator()
+    pointer = cupy.cuda.PinnedMemoryPointer
+
+    def alloc_pinned(size):
+        return pointer(PinnedBlock(host, size), 0)
+    return alloc_pinned
 
 
 def uninstall():
@@ -181,13 +220,17 @@ def uninstall():
     Memory already handed out stays valid and returns to pyalloc when CuPy drops it. If something
     replaced pyalloc as CuPy's allocator after install(), that replacement is left in place.
     """
-    global _installed
+    global _installed, _pinned_installed
     cupy = _import_cupy()
     with _lock:
         if _installed is None:
             return False
         fn, previous = _installed
         _installed = None
+        if _pinned_installed is not None:
+            # CuPy offers no getter: its own pool comes back (what it had before install).
+            cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+            _pinned_installed = None
         if cupy.cuda.get_allocator() is fn:
             cupy.cuda.set_allocator(previous)
         return True

@@ -63,11 +63,15 @@ def set_default_backend(backend=None):
                 f"({detail}); free them first")
         for a in _allocators.values():
             a.empty_cache()
+            a.retired_default = True
         _allocators = {}
         _allocator_list = ()
         capi = sys.modules.get("pyalloc._capi")
         if capi is not None:
             capi.forget_allocators()        # the C entry points look the new ones up
+        host = sys.modules.get("pyalloc.host")
+        if host is not None:
+            host._forget_default()          # the process-wide host allocator follows the backend
         _backend_choice = backend
         _current_device = _resolve_current_device
 
@@ -148,6 +152,9 @@ def get_allocator(device=None):
         device = _current_device()
     alloc = _allocators.get(device) if type(device) is int else None
     return alloc if alloc is not None else _create(device)
+
+
+_pools.default_allocator_for = get_allocator      # MemPool(device) without an allocator
 
 
 def check_gpu_backend(alloc, hook, framework):

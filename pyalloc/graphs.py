@@ -21,6 +21,7 @@ capture) releases its pool instead of leaking it (PyTorch's #190348); nothing is
 device while a capture runs (PyTorch may, #159594).
 """
 from pyalloc._core import new_mempool_id
+from pyalloc.pools import MemPool
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -50,7 +51,6 @@ class BackendCapture:
 
 def _pool_id(pool):
     """A pool given as an id tuple, a Graph (its pool) or a MemPool."""
-    from pyalloc.pools import MemPool
     if pool is None:
         return None
     if isinstance(pool, MemPool):

@@ -9,8 +9,9 @@ other hooks).
 Either must happen before Numba's first use of the GPU: Numba picks its memory manager when it
 creates a device's context, and keeps it (install() raises RuntimeError when a context exists).
 
-What the plugin does (EMM interface version 1; device memory only, pinned and mapped host memory
-stay with Numba's HostOnlyCUDAMemoryManager base):
+What the plugin does (EMM interface version 1; mapped and write-combined host memory and mempin,
+which registers the caller's memory and has nothing to cache, stay with Numba's
+HostOnlyCUDAMemoryManager base):
 
 - memalloc(size): a block of the default allocator of the context's device, for Numba's default
   stream (handle 0) or the stream set by `with pyalloc.numba.allocation_stream(s):` on this thread.
@@ -19,6 +20,9 @@ stay with Numba's HostOnlyCUDAMemoryManager base):
   last array or view over it is dropped (Numba's own reference counting, as for its own memory).
   Memory used on another stream: pyalloc.record_stream(array, stream) (any Numba device array),
   so that it is not reused before that stream's work up to the free has completed.
+- memhostalloc(size) (cuda.pinned_array, cuda.pinned): a block of pyalloc's process-wide pinned
+  host allocator (pyalloc.host: PyTorch's caching rules and statistics), back in its cache when
+  Numba drops the memory; with mapped=True or wc=True, Numba's own cuMemHostAlloc.
 - Out of memory: after flushing deferred frees and one gc.collect() and retry, an error that is
   both pyalloc.OutOfMemoryError and Numba's CudaAPIError with code CUDA_ERROR_OUT_OF_MEMORY.
 - defer_cleanup(): frees inside the block (numba.cuda.defer_cleanup()) are held and done when the
@@ -46,7 +50,7 @@ import weakref
 from pyalloc import _streams
 from pyalloc import defaults as _defaults
 from pyalloc._buffer import Buffer
-from pyalloc.errors import OutOfMemoryError, framework_out_of_memory_error
+from pyalloc.errors import NoCudaDriverError, OutOfMemoryError, framework_out_of_memory_error
 
 __all__ = ["install", "is_installed", "allocation_stream", "PyallocMemoryManager",
            "NumbaOutOfMemoryError"]
@@ -269,6 +273,29 @@ def _build():
             alloc = registry._allocators.get(self._device)
             if alloc is not None:
                 alloc.empty_cache()
+
+        # -------------------------------------------------------------- pinned host memory
+
+        def _host_allocator(self):
+            """pyalloc's process-wide host allocator; refuses one that is not on the GPU."""
+            from pyalloc.host import get_host_allocator
+            host = get_host_allocator()
+            if host.device.kind != "cuda":
+                raise NoCudaDriverError(
+                    f"pyalloc.numba: the host allocator uses the {host.device.kind!r} backend, "
+                    "not 'cuda'; Numba needs pinned memory of the GPU's driver")
+            return host
+
+        def memhostalloc(self, size, mapped=False, portable=False, wc=False):
+            # Mapped and write-combined memory need cuMemHostAlloc flags that pyalloc's cached
+            # blocks do not have: those stay Numba's. `portable` needs nothing: under unified
+            # addressing every context can use pinned memory whatever its flags.
+            if mapped or wc:
+                return super().memhostalloc(size, mapped=mapped, portable=portable, wc=wc)
+            host = self._host_allocator()
+            ptr = host.malloc(size)
+            return driver.PinnedMemory(self._context_ref, ptr, size,
+                                       finalizer=functools.partial(host.free, ptr) if ptr else None)
 
         # -------------------------------------------------------------- queries
 

@@ -21,6 +21,11 @@ import contextlib
 
 from pyalloc._core import current_thread_key, new_mempool_id
 
+# device ordinal or None -> that device's default CachingAllocator. pyalloc.defaults, which builds
+# on this module (its allocators make MemPools), sets it when imported, so that this module never
+# imports it: a MemPool made without an allocator goes on its device's default allocator.
+default_allocator_for = None
+
 
 def graph_pool_handle():
     """A fresh user-created pool id (0, n), to share one private pool between graph captures
@@ -46,8 +51,7 @@ class MemPool:
     def __init__(self, device=None, use_on_oom=False, no_split=False, *, allocator=None):
         self._default_device = None     # the device whose default allocator it was made on
         if allocator is None:
-            from pyalloc import defaults
-            allocator = defaults.get_allocator(device)
+            allocator = default_allocator_for(device)
             self._default_device = allocator.device
         for name, value in (("use_on_oom", use_on_oom), ("no_split", no_split)):
             if not isinstance(value, bool):
@@ -113,14 +117,12 @@ def use_mem_pool(pool, device=None):
     if pool._released:
         raise ValueError(f"MemPool {pool.id} was released")
     allocator = pool.allocator
-    if pool._default_device is not None:
-        from pyalloc import defaults
-        if defaults.default_allocators().get(pool._default_device) is not allocator:
-            # Routing the retired allocator would leave pyalloc.malloc, which uses the new one,
-            # outside the pool without a word.
-            raise RuntimeError(
-                f"MemPool {pool.id} was made on device {pool._default_device}'s default allocator, "
-                f"which set_default_backend() has since replaced; make a new MemPool")
+    if pool._default_device is not None and allocator.retired_default:
+        # Routing the retired allocator would leave pyalloc.malloc, which uses the new one,
+        # outside the pool without a word.
+        raise RuntimeError(
+            f"MemPool {pool.id} was made on device {pool._default_device}'s default allocator, "
+            f"which set_default_backend() has since replaced; make a new MemPool")
     if device is not None and device != allocator.device:
         raise ValueError(f"MemPool {pool.id} belongs to device {allocator.device}, not device {device}")
     allocator.begin_allocate_to_pool(pool.id, ("thread", current_thread_key()))

@@ -148,6 +148,8 @@ static int valid_node(const struct node *n) {
     return 0;
 }
 
+static long calls_host_alloc, calls_host_free, calls_host_register, calls_host_unregister;
+
 static int should_fail(const char *name) {
     if (fail_code && strcmp(fail_name, name) == 0) {
         if (fail_skip > 0) { fail_skip--; return 0; }
@@ -711,6 +713,8 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     {401, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
     {600, "CUDA_ERROR_NOT_READY", "device not ready"},
     {700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED", "part or all of the requested memory range is already mapped"},
+    {713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered memory region"},
     {900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
     {901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"},
     {906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
@@ -797,6 +801,10 @@ long fake_count(const char *what) {
     if (!strcmp(what, "execs_live")) return execs_live;
     if (!strcmp(what, "reserved_live")) return reserved_live;
     if (!strcmp(what, "mapped_live")) return mapped_live;
+    if (!strcmp(what, "host_alloc")) return calls_host_alloc;
+    if (!strcmp(what, "host_free")) return calls_host_free;
+    if (!strcmp(what, "host_register")) return calls_host_register;
+    if (!strcmp(what, "host_unregister")) return calls_host_unregister;
     return -1;
 }
 int fake_refcount(int dev) { return (dev >= 0 && dev < MAX_DEVICES) ? contexts[dev].refcount : -1; }
@@ -830,10 +838,49 @@ CUresult cuStreamDestroy(uintptr_t stream) {
     return ERR_INVALID_HANDLE;
 }
 
+/* Pinned host memory for the host allocator (pyalloc/_cuda_host.pyx) too: calls counted and
+ * failable (fake_fail_next), registrations of pageable ranges kept (a range registered twice is
+ * CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, one never registered ..._NOT_REGISTERED). */
+#define MAX_REGISTERED 256
+static struct { void *p; size_t size; } registered[MAX_REGISTERED];
+
 CUresult cuMemHostAlloc(void **p, size_t size, unsigned flags) {
     (void)flags;
+    int f = should_fail("cuMemHostAlloc");
+    if (f) return f;
     *p = calloc(1, size ? size : 1);
+    if (*p) calls_host_alloc++;
     return *p ? SUCCESS : ERR_OUT_OF_MEMORY;
+}
+
+CUresult cuMemHostRegister(void *p, size_t size, unsigned flags) {
+    (void)flags;
+    int f = should_fail("cuMemHostRegister");
+    if (f) return f;
+    if (!p || !size) return ERR_INVALID_VALUE;
+    int slot = -1;
+    for (int i = 0; i < MAX_REGISTERED; i++) {
+        if (registered[i].p == p) return 712;       /* CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED */
+        if (!registered[i].p && slot < 0) slot = i;
+    }
+    if (slot < 0) return ERR_OUT_OF_MEMORY;
+    registered[slot].p = p;
+    registered[slot].size = size;
+    calls_host_register++;
+    return SUCCESS;
+}
+
+CUresult cuMemHostUnregister(void *p) {
+    int f = should_fail("cuMemHostUnregister");
+    if (f) return f;
+    for (int i = 0; i < MAX_REGISTERED; i++) {
+        if (registered[i].p == p) {
+            registered[i].p = NULL;
+            calls_host_unregister++;
+            return SUCCESS;
+        }
+    }
+    return 713;                                     /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
 }
 
 CUresult cuMemHostGetDevicePointer(CUdeviceptr *d, void *p, unsigned flags) {
@@ -842,7 +889,13 @@ CUresult cuMemHostGetDevicePointer(CUdeviceptr *d, void *p, unsigned flags) {
     return SUCCESS;
 }
 
-CUresult cuMemFreeHost(void *p) { free(p); return SUCCESS; }
+CUresult cuMemFreeHost(void *p) {
+    int f = should_fail("cuMemFreeHost");
+    if (f) return f;
+    free(p);
+    calls_host_free++;
+    return SUCCESS;
+}
 
 CUresult cuStreamWaitValue32(uintptr_t stream, CUdeviceptr addr, unsigned value, unsigned flags) {
     (void)flags;                          /* CU_STREAM_WAIT_VALUE_GEQ is the only one modelled */
@@ -907,7 +960,7 @@ static const struct { const char *name; void *fn; } table[] = {
     F(cuGraphNodeGetDependencies), F(cuGraphInstantiateWithFlags), F(cuGraphLaunch),
     F(cuGraphExecDestroy), F(cuGraphDestroy),
     F(cuStreamCreate), F(cuStreamDestroy), F(cuMemHostAlloc), F(cuMemHostGetDevicePointer),
-    F(cuMemFreeHost), F(cuStreamWaitValue32), F(cuStreamWaitEvent), F(cuMemRetainAllocationHandle),
+    F(cuMemFreeHost), F(cuMemHostRegister), F(cuMemHostUnregister), F(cuStreamWaitValue32), F(cuStreamWaitEvent), F(cuMemRetainAllocationHandle),
     F(cuCtxGetStreamPriorityRange), F(cuStreamCreateWithPriority),
 #undef F
 };

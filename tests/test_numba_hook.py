@@ -280,3 +280,50 @@ def test_out_of_memory_collects_cycles_and_retries(manager, sim_defaults):
         gc.enable()
     assert sim_defaults.memory_allocated() == 40 * MiB
     del second
+
+
+# ------------------------------------------------------------------ pinned host memory
+
+class SimHostManager(SimManager):
+    """The plugin with a host allocator on the simulated device (the real one wants the GPU)."""
+
+    def __init__(self, *args, host, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._host = host
+
+    def _host_allocator(self):
+        return self._host
+
+
+@pytest.fixture
+def host_manager(sim_defaults):
+    from pyalloc.host import HostAllocator
+    context = FakeContext()
+    m = SimHostManager(context=context, host=HostAllocator(sim_defaults.backend, config=""))
+    m.initialize()
+    m._keep_context = context
+    return m
+
+
+def test_memhostalloc_gives_a_block_of_the_host_allocator(host_manager):
+    mem = host_manager.memhostalloc(3000)
+    assert host_manager._host.block_size(mem.host_pointer) == 4096
+
+
+def test_memhostalloc_memory_goes_back_to_the_cache_when_numba_drops_it(host_manager):
+    mem = host_manager.memhostalloc(3000)
+    del mem
+    gc.collect()
+    assert host_manager._host.free_list_sizes() == {4096: 1}
+
+
+def test_memhostalloc_of_zero_bytes_is_a_null_pointer(host_manager):
+    assert host_manager.memhostalloc(0).host_pointer == 0
+
+
+def test_the_real_plugin_refuses_a_host_allocator_off_the_gpu(manager, monkeypatch):
+    import pyalloc.host as host_module
+    from pyalloc.host import HostAllocator
+    monkeypatch.setattr(host_module, "_default", HostAllocator(pyalloc.SimDevice(), config=""))
+    with pytest.raises(pyalloc.NoCudaDriverError, match="host allocator"):
+        pn.PyallocMemoryManager._host_allocator(manager)

@@ -132,6 +132,41 @@ def test_routes_are_scanned_newest_first_lifo():
     alloc.end_allocate_to_pool(first.id)
 
 
+def test_a_threads_oldest_route_routes_it_under_newer_routes_of_other_threads():
+    _, alloc = make()
+    mine, theirs, also_mine = alloc.mem_pool(), alloc.mem_pool(), alloc.mem_pool()
+    me = current_thread_key()
+    alloc.begin_allocate_to_pool(mine.id, ("thread", me))
+    alloc.begin_allocate_to_pool(theirs.id, ("thread", me + 1))
+    assert pool_of(alloc, alloc.malloc(4 * KiB)) == mine.id
+    alloc.begin_allocate_to_pool(also_mine.id, ("thread", me))
+    alloc.end_allocate_to_pool(mine.id)          # an older route of this thread ends first
+    assert pool_of(alloc, alloc.malloc(4 * KiB)) == also_mine.id
+    alloc.end_allocate_to_pool(also_mine.id)
+    assert pool_of(alloc, alloc.malloc(4 * KiB)) == (0, 0)
+    alloc.end_allocate_to_pool(theirs.id)
+
+
+@pytest.mark.parametrize("capture_route_newer", [True, False])
+def test_the_newer_of_a_capture_route_and_the_threads_route_takes_a_capturing_stream(
+        capture_route_newer):
+    sim, alloc = make()
+    by_thread, by_capture = alloc.mem_pool(), alloc.mem_pool()
+    stream = sim.create_stream()
+    sim.begin_capture(stream)
+    capture_id = sim.stream_capture_info(stream)[0]
+    routes = [(by_thread.id, ("thread", current_thread_key())),
+              (by_capture.id, ("capture", capture_id))]
+    for pool_id, route in (routes if capture_route_newer else routes[::-1]):
+        alloc.begin_allocate_to_pool(pool_id, route)
+    p = alloc.malloc(4 * KiB, stream)
+    assert pool_of(alloc, p) == (by_capture.id if capture_route_newer else by_thread.id)
+    alloc.free(p)
+    sim.end_capture(stream)
+    alloc.end_allocate_to_pool(by_thread.id)
+    alloc.end_allocate_to_pool(by_capture.id)
+
+
 def test_a_route_for_another_thread_key_is_ignored():
     _, alloc = make()
     pool = alloc.mem_pool()

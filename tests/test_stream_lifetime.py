@@ -143,6 +143,20 @@ def test_the_allocator_releases_the_stream_object_once_the_event_is_recorded():
     assert gone() is None
 
 
+def test_a_pin_is_let_go_at_its_blocks_free_while_other_streams_stay_pinned():
+    sim, alloc = make()
+    streams = [SimStream(sim) for _ in range(5)]
+    blocks = [alloc.malloc(4 * KiB) for _ in streams]
+    for p, s in zip(blocks, streams):
+        alloc.record_stream(p, s)
+    others = {s.ptr for s in streams} - {streams[2].ptr}
+    gone = weakref.ref(streams[2])
+    streams[2] = None
+    alloc.free(blocks[2])
+    assert gone() is None
+    assert alloc._stream_pin_handles() == others
+
+
 def test_a_stream_named_by_two_blocks_is_kept_until_both_are_freed():
     sim, alloc = make()
     p, q = alloc.malloc(4 * KiB), alloc.malloc(4 * KiB)
@@ -237,6 +251,22 @@ def test_an_allocation_stream_object_is_kept_while_the_allocator_holds_its_block
     assert gone() is None
 
 
+@pytest.mark.parametrize("config", ["", "expandable_segments:True"])
+def test_empty_cache_keeps_an_allocation_stream_while_a_block_of_it_is_live(config):
+    sim = SimDevice(1 << 30)
+    alloc = CachingAllocator(backend=sim, config=config)
+    s = SimStream(sim)
+    p = alloc.malloc(4 * KiB, s)
+    others = [alloc.malloc(4 * KiB) for _ in range(3)]     # blocks of other streams stay live
+    gone = weakref.ref(s)
+    del s
+    alloc.empty_cache()
+    assert gone() is not None                   # p is live: its stream may still use it
+    alloc.free(p)
+    alloc.empty_cache()                         # p's segment goes back: no block of it is left
+    assert gone() is None
+
+
 def test_a_new_stream_never_gets_blocks_cached_for_a_dead_streams_queued_work():
     sim, alloc = make()
     s = SimStream(sim)
@@ -300,6 +330,23 @@ def test_a_dropped_stream_with_queued_work_is_not_let_go_while_new_streams_come(
         alloc.free(q)
         alloc.process_events()
     assert gone() is not None and all(s.ptr != handle for s in newer)
+
+
+def test_a_dropped_stream_is_let_go_while_new_streams_come_however_many_are_held():
+    # A reap reads every kept stream object, so new streams set one off once they number the
+    # objects kept before them; two reaps let a dropped stream go (an event, then its query).
+    sim, alloc = make()
+    held = [SimStream(sim) for _ in range(20)]
+    for s in held:
+        alloc.free(alloc.malloc(4 * KiB, s))
+    gone, handle, p = dropped_stream_with_queued_work(sim, alloc)
+    sim.complete(handle)
+    kept = len(held) + 1
+    newer = []
+    while gone() is not None and len(newer) <= 3 * kept:
+        newer.append(SimStream(sim))
+        alloc.free(alloc.malloc(4 * KiB, newer[-1]))
+    assert gone() is None, f"still kept after {len(newer)} new streams"
 
 
 def test_a_stream_the_program_still_holds_is_not_let_go():
