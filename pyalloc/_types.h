@@ -500,14 +500,24 @@ struct CaptureReuse {
     std::vector<bool> waited_on;                   // some stream files a block under this marker
 
     uint32_t intern(uintptr_t node) {
-        auto found = ids.emplace(node, (uint32_t)handles.size());
-        if (found.second) {
+        // find first: emplace would make (and free) a map node for every handle already known
+        auto known = ids.find(node);
+        if (known != ids.end()) return known->second;
+        uint32_t id = (uint32_t)handles.size();
+        try {
             handles.push_back(node);
             first_parent.push_back(kNodeNotExpanded);
             parent_count.push_back(0);
             waited_on.push_back(false);
+            ids.emplace(node, id);
+        } catch (...) {     // std::bad_alloc: as it was
+            handles.resize(id);
+            first_parent.resize(id);
+            parent_count.resize(id);
+            waited_on.resize(id);
+            throw;
         }
-        return found.first->second;
+        return id;
     }
     // The dense id of `node`, or -1 when no walk has seen it.
     int64_t find(uintptr_t node) const {
