@@ -13,6 +13,8 @@ Rows (what grows, the operation timed):
   pins      stream objects pinned by record_stream (P), pair malloc+free of 512 B on stream 0
   kept      allocation-stream objects the program holds (S), malloc+free on a new stream object
   events    streams with an incomplete event (S), pair malloc+free of 512 B on stream 0
+  events_polled  the same with event_poll_streams:1 (pyalloc only: a cache hit polls one
+            stream's events, in turn; a miss polls all)
   gc        cached large blocks under garbage_collection_threshold:0.5 (N), cache-miss malloc
             (+ its free; each miss's GC releases the segment the previous op freed)
   empty     live blocks with one allocation-stream object kept (N), empty_cache()
@@ -83,9 +85,9 @@ def setup_kept(s):
     return loop, (objs, ptrs, fresh)
 
 
-def setup_events(s):
+def setup_events(s, config=""):
     sim = SimDevice(1 << 40)
-    a = CachingAllocator(backend=sim, config="")
+    a = CachingAllocator(backend=sim, config=config)
     streams = [sim.create_stream() for _ in range(s)]
     for h in streams:
         p = a.malloc(512)
@@ -94,6 +96,10 @@ def setup_events(s):
         a.free(p)
     a.free(a.malloc(512))
     return pair_loop(a), streams
+
+
+def setup_events_polled(s):
+    return setup_events(s, "event_poll_streams:1")
 
 
 def setup_gc(n):
@@ -176,6 +182,8 @@ ROWS = {                 # name -> (setup, smallest, largest, ops per round, wha
     "pins": (setup_pins, 0, 10_000, 2000, "stream objects pinned by record_stream", "P"),
     "kept": (setup_kept, 1000, 30_000, 20, "allocation-stream objects kept", "S"),
     "events": (setup_events, 1, 10_000, 2000, "streams with an incomplete event", "S"),
+    "events_polled": (setup_events_polled, 1, 10_000, 2000,
+                      "streams with an incomplete event, event_poll_streams:1", "S"),
     "gc": (setup_gc, 100, 100_000, 20, "cached large blocks under GC threshold", "N"),
     "empty": (setup_empty, 1000, 1_000_000, 20, "live blocks, one allocation stream kept", "N"),
     "uses": (setup_uses, 1000, 10_000, 2000, "streams used by one block", "U"),

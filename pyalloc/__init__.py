@@ -52,8 +52,9 @@ def _not_built(exc):
 
 
 try:
-    from pyalloc._buffer import Buffer
+    # _metadata first: it imports pyalloc._core, the module a missing build is named by.
     from pyalloc._metadata import get_memory_metadata, set_memory_metadata
+    from pyalloc._buffer import Buffer
     from pyalloc._sim import SimDevice
 except ModuleNotFoundError as _exc:
     _err = _not_built(_exc)

@@ -14,11 +14,12 @@ from libcpp.vector cimport vector
 from libcpp.pair cimport pair
 from cython.operator cimport dereference as deref, preincrement as inc
 
-from pyalloc._types cimport Block, BlockPool, CaptureUses, DeferredEntry, PrivatePool, StreamReuse
+from pyalloc._types cimport (Block, BlockPool, CaptureReuse, CaptureUses, DeferredEntry, PrivatePool,
+                             StreamReuse)
 from pyalloc._policy cimport get_free_block, oversize_allowed
 from pyalloc._device cimport (DeviceState, backend_of, routes_capture, forget_stream_use,
-                              forget_stream_uses, free_completed, forget_segment_stream)
-from pyalloc._graphs cimport extend_ancestors, all_visited, add_unique
+                              forget_block_uses, free_completed, forget_segment_stream)
+from pyalloc._graphs cimport extend_ancestors, is_visited, all_visited, add_unique
 
 
 cdef int defer_free(DeviceState* a, Block* b) except -1:
@@ -40,20 +41,26 @@ cdef int defer_free(DeviceState* a, Block* b) except -1:
         uses.defer_id = a.last_defer_id
         uses.deferred_index = a.deferred_blocks.size() - 1
         a.deferred_marked += 1
-        index_deferred(&a.reuse_contexts[capture_id].streams[b.stream], b, uses)
+        context = &a.reuse_contexts[capture_id]
+        index_deferred(context, &context.streams[b.stream], b, uses)
     return 0
 
 
-cdef void index_deferred(StreamReuse* reuse, Block* b, CaptureUses* uses) noexcept:
+cdef int index_deferred(CaptureReuse* graph, StreamReuse* reuse, Block* b,
+                        CaptureUses* uses) except -1:
     """File b under its first marker not yet known to precede its stream's terminals (from
     uses.next_marker on), or as ready when there is none."""
     cdef DeferredEntry entry = DeferredEntry(b, uses.defer_id)
+    cdef uintptr_t marker
     while uses.next_marker < uses.markers.size():
-        if reuse.visited.count(uses.markers[uses.next_marker]) == 0:
-            reuse.waiting[uses.markers[uses.next_marker]].push_back(entry)
-            return
+        marker = uses.markers[uses.next_marker]
+        if not is_visited(graph, reuse, marker):
+            graph.set_waited_on(graph.intern(marker))    # the walks report it when they reach it
+            reuse.waiting[marker].push_back(entry)
+            return 0
         uses.next_marker += 1
     reuse.ready.push_back(entry)
+    return 0
 
 
 cdef inline CaptureUses* still_deferred(DeviceState* a, DeferredEntry entry) noexcept:
@@ -71,7 +78,7 @@ cdef void release_deferred(DeviceState* a, Block* b, CaptureUses* uses) noexcept
     a.deferred_blocks[uses.deferred_index] = NULL
     a.deferred_released += 1
     a.deferred_marked -= 1
-    forget_stream_uses(a, &b.stream_uses)
+    forget_block_uses(a, b)
     free_completed(a, b)              # erases b's capture record
     if a.deferred_released * 2 > a.deferred_blocks.size():
         compact_deferred(a)
@@ -201,7 +208,7 @@ cdef int free_safe_blocks_in_capture(DeviceState* a, uintptr_t stream, BlockPool
         return 0                      # no block of this stream waits in this capture
     cdef StreamReuse* reuse = &context.streams[stream]
     cdef vector[uintptr_t] added
-    extend_ancestors(backend_of(a), &reuse.visited, terminals, &a.nodes_expanded, &added)
+    extend_ancestors(backend_of(a), context, reuse, terminals, &a.nodes_expanded, &added)
     cdef uintptr_t node
     cdef vector[DeferredEntry] woken
     cdef DeferredEntry entry
@@ -216,7 +223,7 @@ cdef int free_safe_blocks_in_capture(DeviceState* a, uintptr_t stream, BlockPool
             uses = still_deferred(a, entry)
             if uses != NULL:
                 uses.next_marker += 1
-                index_deferred(reuse, entry.first, uses)
+                index_deferred(context, reuse, entry.first, uses)
         woken.clear()
     # The graph orders every later use on `stream` after these blocks' last uses: no event.
     cdef PrivatePool* private = pool.owner
@@ -246,7 +253,7 @@ cdef int free_safe_blocks_in_capture(DeviceState* a, uintptr_t stream, BlockPool
                 and oversize_allowed(&a.st.settings, b.size, size)
                 and (best == NULL or b.size < best.size)
                 and reusable_on(a, b, stream, private, True)
-                and all_visited(&reuse.visited, a.capture_uses[b].markers)):
+                and all_visited(context, reuse, a.capture_uses[b].markers)):
             best = b
     if best != NULL:
         forget_segment_stream(a, best.stream)
@@ -327,4 +334,5 @@ cdef void forget_capture_uses(DeviceState* a, Block* b) noexcept:
         else:
             forget_stream_use(a, s)
     b.stream_uses.swap(kept)
+    b.drop_use_index()                # (a later new use rebuilds it from what is kept)
     a.capture_uses.erase(it)

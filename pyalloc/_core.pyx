@@ -291,6 +291,7 @@ cdef class DeviceCachingAllocator:
         s.graph_reuse = getattr(settings, "graph_capture_record_stream_reuse", False)
         s.graph_last_use = getattr(settings, "graph_capture_last_use_marks", False)
         s.graph_cross_stream_reuse = getattr(settings, "graph_capture_cross_stream_reuse", False)
+        s.event_poll_streams = getattr(settings, "event_poll_streams", 0)
         lock_device(&self.d)
         s.allowed_memory_maximum = self.d.st.settings.allowed_memory_maximum   # set_memory_fraction's
         s.memory_fraction = self.d.st.settings.memory_fraction

@@ -51,6 +51,7 @@ struct DeviceState {
     CoreState st;                             // settings, statistics, history, spares
     PyObject* backend = nullptr;              // a Backend, borrowed: the allocator object owns it
     EventQueues stream_events;
+    uintptr_t event_poll_next = 0;            // with event_poll_streams: the stream polled next
     std::vector<uintptr_t> event_pool;        // created, idle events for reuse
     std::unordered_map<int, std::vector<uintptr_t>> foreign_event_pools;  // the same, by other device
     std::unordered_map<uintptr_t, int> foreign_event_devices;            // event -> its other device

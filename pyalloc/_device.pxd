@@ -46,6 +46,7 @@ cdef extern from "_device.h" namespace "pyalloc" nogil:
         CoreState st
         PyObject* backend
         EventQueues stream_events
+        uintptr_t event_poll_next
         vector[uintptr_t] event_pool
         unordered_map[int, vector[uintptr_t]] foreign_event_pools
         unordered_map[uintptr_t, int] foreign_event_devices
@@ -124,14 +125,11 @@ cdef enum:
 
 
 cdef inline int stream_use_state(DeviceState* a, Block* b, uintptr_t stream) noexcept nogil:
-    cdef uintptr_t used
-    if stream == b.stream:
+    if stream == b.stream or b.uses_stream(stream):
         return USE_KNOWN
-    for used in b.stream_uses:
-        if used == stream:
-            return USE_KNOWN
-    if b.stream_uses.size() == b.stream_uses.capacity() or a.stream_use_counts.count(stream) == 0:
-        return USE_NEEDS_MEMORY
+    if (b.stream_uses.size() == b.stream_uses.capacity() or a.stream_use_counts.count(stream) == 0
+            or b.new_use_indexed()):
+        return USE_NEEDS_MEMORY       # (from 8 uses on, a new one enters the block's index too)
     return USE_NEW
 
 
@@ -147,6 +145,7 @@ cdef inline int make_room_for_use(DeviceState* a, Block* b, uintptr_t stream) ex
     spare capacity, when it cannot be had."""
     b.stream_uses.reserve(b.stream_uses.size() + 1)
     a.stream_use_counts.insert(pair[uintptr_t, size_t](stream, 0))
+    b.index_use(stream)               # last: it may fail, and its entry is the use itself
     return 0
 
 
@@ -169,6 +168,12 @@ cdef inline void forget_stream_uses(DeviceState* a, vector[uintptr_t]* streams) 
     for s in deref(streams):
         forget_stream_use(a, s)
     streams.clear()
+
+
+cdef inline void forget_block_uses(DeviceState* a, Block* b) noexcept:
+    """forget_stream_uses of all of b's stream uses, and its use index with them."""
+    forget_stream_uses(a, &b.stream_uses)
+    b.drop_use_index()
 
 
 cdef inline void forget_segment_stream(DeviceState* a, uintptr_t stream) noexcept:

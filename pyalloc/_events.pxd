@@ -10,6 +10,7 @@ ctypedef int (*mark_unused_fn)(DeviceState*, vector[uintptr_t]*, vector[char]*) 
 cdef int insert_events(DeviceState* a, Block* b) except -1
 cdef int destroy_events(DeviceState* a, bint outstanding) except -1
 cdef int process_events(DeviceState* a) except -1
+cdef int process_some_events(DeviceState* a, size_t streams) except -1
 cdef int synchronize_and_free_events(DeviceState* a) except -1
 cdef int flush_deferred_blocks(DeviceState* a) except -1
 # The stream objects the allocator object keeps (its dicts, ordered by its pins_lock).

@@ -74,6 +74,7 @@ cdef int insert_events(DeviceState* a, Block* b) except -1:
         raise
     # The events hold what is needed of these streams from now on: their uses are over.
     forget_stream_uses(a, &streams)
+    b.drop_use_index()
     return 0
 
 
@@ -315,24 +316,59 @@ cdef int flush_deferred_blocks(DeviceState* a) except -1:
     return 0
 
 
+cdef inline bint poll_stream(DeviceState* a, EventQueues.iterator it) except -1:
+    """Free the blocks of the stream at `it` whose events have completed, oldest first; True
+    when none of its events is left."""
+    cdef EventEntry front
+    while not deref(it).second.empty():
+        front = deref(it).second.front()
+        if not backend_of(a).event_query(front.first):
+            return False    # later events of this stream cannot be complete either
+        deref(it).second.pop_front()
+        event_done(a, front.first, front.second)
+    return True
+
+
 cdef int process_events(DeviceState* a) except -1:
     """Free blocks whose events have all completed; polls each stream's events in order. Blocks
     deferred while a route is active stay deferred until no route is."""
     if not a.deferred_blocks.empty() and a.captures_underway.empty():
         flush_deferred_blocks(a)
     cdef EventQueues.iterator it = a.stream_events.begin()
-    cdef EventEntry front
     while it != a.stream_events.end():
-        while not deref(it).second.empty():
-            front = deref(it).second.front()
-            if not backend_of(a).event_query(front.first):
-                break   # later events of this stream cannot be complete either
-            deref(it).second.pop_front()
-            event_done(a, front.first, front.second)
-        if deref(it).second.empty():
+        if poll_stream(a, it):
             it = a.stream_events.erase(it)
         else:
             inc(it)
+    return 0
+
+
+cdef int process_some_events(DeviceState* a, size_t streams) except -1:
+    """process_events for at most `streams` streams, in turn from where the last call stopped
+    (event_poll_streams): a malloc's cost then does not grow with the streams that have pending
+    events. Every stream is reached within ceil(S / streams) calls while no stream gets its first
+    event (a new stream's queue can reorder the turn: each cache miss polls them all anyway)."""
+    if not a.deferred_blocks.empty() and a.captures_underway.empty():
+        flush_deferred_blocks(a)
+    cdef size_t n = a.stream_events.size()
+    if n == 0:
+        return 0
+    if streams > n:
+        streams = n
+    cdef EventQueues.iterator it = a.stream_events.find(a.event_poll_next)
+    if it == a.stream_events.end():
+        it = a.stream_events.begin()
+    cdef size_t i
+    for i in range(streams):
+        if it == a.stream_events.end():
+            it = a.stream_events.begin()
+        if poll_stream(a, it):
+            it = a.stream_events.erase(it)
+        else:
+            inc(it)
+    if it == a.stream_events.end():
+        it = a.stream_events.begin()
+    a.event_poll_next = deref(it).first if it != a.stream_events.end() else 0
     return 0
 
 

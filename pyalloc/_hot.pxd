@@ -17,7 +17,7 @@ from pyalloc._device cimport (DeviceState, backend_of, hand_out, stream_use_stat
                               USE_NEW, USE_NEEDS_MEMORY)
 from pyalloc._routing cimport routed_pool
 from pyalloc._capture cimport defer_free, free_safe_blocks_in_capture
-from pyalloc._events cimport insert_events, process_events
+from pyalloc._events cimport insert_events, process_events, process_some_events
 from pyalloc._ladder cimport malloc_slow
 from pyalloc._introspect cimport raise_not_allocated
 
@@ -43,7 +43,10 @@ cdef inline int allocator_malloc(DeviceState* a, size_t orig_size, uintptr_t str
     if a.captures_underway.empty():
         # (Blocks deferred while a route was active got their events when the last route ended.)
         if a.outstanding_events:
-            process_events(a)
+            if a.st.settings.event_poll_streams == 0:
+                process_events(a)
+            else:
+                process_some_events(a, a.st.settings.event_poll_streams)
         pool = a.small_blocks if is_small_request(size) else a.large_blocks
     else:
         pool = get_pool(a, size, stream)
@@ -51,6 +54,14 @@ cdef inline int allocator_malloc(DeviceState* a, size_t orig_size, uintptr_t str
             free_safe_blocks_in_capture(a, stream, pool, size)
     cdef Block* b = get_free_block(&a.st.settings, pool, stream, size)
     cdef int rc = 0
+    if unlikely(b == NULL and a.outstanding_events and a.st.settings.event_poll_streams != 0
+                and a.captures_underway.empty()):
+        # Polling in turn: before a miss, every stream's completed events, as PyTorch, and the
+        # search again (the GC clock counts one search per malloc, as PyTorch's).
+        process_events(a)
+        if gc_enabled(&a.st.settings):
+            pool.get_free_blocks_call_count -= 1
+        b = get_free_block(&a.st.settings, pool, stream, size)
     if b == NULL:
         rc = malloc_slow(a, pool, orig_size, size, stream, metadata_id, context_id, out)
     else:

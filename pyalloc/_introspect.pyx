@@ -137,6 +137,45 @@ cdef int check_pool_order(BlockPool* pool) except -1:
     return 0
 
 
+cdef int check_gc_candidates(BlockPool* pool) except -1:
+    """The pool's garbage-collection candidates are exactly its free whole segments (large pools
+    only), listed by gc_count_base, with the right count and sum."""
+    cdef BlockSet.iterator it = pool.blocks.begin()
+    cdef Block* b
+    cdef int64_t count = 0, base_sum = 0
+    while it != pool.blocks.end():
+        b = deref(it)
+        inc(it)
+        candidate = not pool.is_small and not b.expandable and not b.is_split()
+        assert b.gc_listed == candidate, f"block {b.ptr:#x}: gc_listed={b.gc_listed}, a candidate: {candidate}"
+        if candidate:
+            count += 1
+            base_sum += b.gc_count_base
+    assert (count, base_sum) == (pool.gc_count, pool.gc_base_sum), (
+        f"GC candidates: {count} blocks with base sum {base_sum}, the pool counts "
+        f"{pool.gc_count} and {pool.gc_base_sum}")
+    b = pool.gc_head
+    listed = 0
+    while b != NULL:
+        assert b.gc_listed and b.pool == pool, f"block {b.ptr:#x} listed as a candidate of another pool"
+        assert b.gc_next == NULL or b.gc_next.gc_count_base >= b.gc_count_base, (
+            f"GC candidates out of age order at block {b.ptr:#x}")
+        listed += 1
+        b = b.gc_next
+    assert listed == count, f"{listed} GC candidates linked, {count} counted"
+    return 0
+
+
+cdef int check_use_index(Block* b) except -1:
+    """A block's use index, when it has one, holds exactly its stream uses."""
+    if b.use_index == NULL:
+        return 0
+    uses = set(b.stream_uses)
+    assert len(uses) == b.stream_uses.size(), f"block {b.ptr:#x} lists a stream use twice"
+    assert set(deref(b.use_index)) == uses, f"block {b.ptr:#x}: use index differs from its stream uses"
+    return 0
+
+
 cdef int check_invariants(DeviceState* a) except -1:
     """The recount behind DeviceCachingAllocator._check_invariants (lock held)."""
     cdef vector[Block*] blocks
@@ -167,6 +206,7 @@ cdef int check_invariants(DeviceState* a) except -1:
                 assert b.next.prev == b, f"broken back link at {b.ptr:#x}"
                 assert b.ptr + b.size == b.next.ptr, f"gap or overlap after {b.ptr:#x}"
             assert b.size % kMinBlockSize == 0, f"block {b.ptr:#x} size {b.size} not a multiple of 512"
+            check_use_index(b)
             b_free = is_free(b)
             in_pool = b.pool.blocks.contains(b)
             in_unmapped = b.pool.unmapped.find(b) != b.pool.unmapped.end()
@@ -223,9 +263,13 @@ cdef int check_invariants(DeviceState* a) except -1:
     # private pool must know the bytes its segments hold.
     check_pool_order(a.small_blocks)
     check_pool_order(a.large_blocks)
+    check_gc_candidates(a.small_blocks)
+    check_gc_candidates(a.large_blocks)
     for entry in a.graph_pools:
         check_pool_order(&entry.second.small_blocks)
         check_pool_order(&entry.second.large_blocks)
+        check_gc_candidates(&entry.second.small_blocks)
+        check_gc_candidates(&entry.second.large_blocks)
         key = (entry.first.first, entry.first.second)
         assert entry.second.reserved_bytes == reserved_by_pool.get(key, 0), (
             f"private pool {key} counts {entry.second.reserved_bytes} reserved bytes, its "

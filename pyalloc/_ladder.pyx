@@ -18,6 +18,7 @@ from cython.operator cimport dereference as deref, preincrement as inc, predecre
 
 from pyalloc._backend cimport BACKEND_OOM
 from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool, Settings, TR_OOM,
+                             sort_best_fit,
                              ST_ALLOCATED_BYTES, ST_RESERVED_BYTES)
 from pyalloc._policy cimport (kSizeMax, round_size, is_small_request, segment_size_for, gc_enabled,
                               get_free_block, take_block, new_block, retire_block, is_oversize,
@@ -166,6 +167,7 @@ cdef int release_block(DeviceState* a, Block* b) except -1:
     backend_of(a).segment_free(b.ptr, b.size)
     commit_segment_free(&a.st, b)
     forget_segment_stream(a, b.stream)
+    b.pool.gc_remove(b)
     b.pool.blocks.erase(b)
     retire_block(&a.st, b)
     return 0
@@ -293,46 +295,47 @@ cdef int release_available_cached_blocks(DeviceState* a, ReleaseCount* dry, Bloc
 
 
 cdef int garbage_collect(DeviceState* a, ReleaseCount* dry) except -1:
-    """Release aged unsplit cached segments of the default large pool beyond the GC threshold."""
+    """Release aged unsplit cached segments of the default large pool beyond the GC threshold.
+
+    PyTorch's choice, without its walks of the whole pool: each pass releases every candidate at
+    least as old as the candidates' average age, in the pool's order. The candidates are listed
+    oldest first (BlockPool.gc_add), so a pass's blocks are the list's next prefix and the average
+    comes from the list's count and sum of gc_count_base: a pass costs O(k log k) for the k blocks
+    it releases. A dry run releases nothing from the list and walks on past what it counted.
+    """
     cdef size_t threshold_bytes = <size_t>(a.st.settings.gc_threshold
                                            * <double>a.st.settings.allowed_memory_maximum)
     if a.st.total_allocated_memory <= threshold_bytes or a.capture_routes:
         return 0
     cdef size_t target = a.st.total_allocated_memory - threshold_bytes
     cdef size_t reclaimed = 0
-    cdef double total_age = 0.0
-    cdef int64_t freeable = 0
     cdef BlockPool* pool = a.large_blocks
     # The clock as the real malloc's search has left it (a dry run's search put it back).
     cdef int64_t clock = pool.get_free_blocks_call_count + (dry.clock_offset if dry != NULL else 0)
-    cdef BlockSet.iterator it = pool.blocks.begin()
-    cdef Block* b
+    cdef int64_t freeable = pool.gc_count
+    # The sum of the ages, exact in int64 as PyTorch's double sum is below 2**53.
+    cdef double total_age = <double>(freeable * clock - pool.gc_base_sum)
+    cdef Block* first = pool.gc_head      # the oldest candidate not yet released in this call
+    cdef vector[Block*] batch
     cdef double age_threshold, age
-    while it != pool.blocks.end():
-        b = deref(it)
-        inc(it)
-        if not b.is_split() and not b.expandable:
-            total_age += <double>(clock - b.gc_count_base)
-            freeable += 1
-    cdef bint freed_some = True
+    cdef Block* b
     # Release blocks at least as old as the average, repeatedly; a pass does not stop at the
     # target, so that GC does not run again at the very next allocation.
-    while reclaimed < target and freed_some and freeable > 0:
+    while reclaimed < target and freeable > 0:
         age_threshold = total_age / <double>freeable
-        freed_some = False
-        it = pool.blocks.begin()
-        while it != pool.blocks.end():
-            b = deref(it)
-            inc(it)
-            if b.is_split() or b.expandable or counted(dry, b):
-                continue
+        batch.clear()
+        while first != NULL and <double>(clock - first.gc_count_base) >= age_threshold:
+            batch.push_back(first)
+            first = first.gc_next       # read before release_segment unlists the block
+        if batch.empty():
+            break
+        sort_best_fit(batch)
+        for b in batch:
             age = <double>(clock - b.gc_count_base)
-            if age >= age_threshold:
-                freed_some = True
-                reclaimed += b.size
-                total_age -= age
-                freeable -= 1
-                release_segment(a, dry, b)
+            reclaimed += b.size
+            total_age -= age
+            freeable -= 1
+            release_segment(a, dry, b)
     return 0
 
 

@@ -133,10 +133,18 @@ cdef inline size_t expandable_size(Block* b) noexcept nogil:
     return b.size + (b.next.size if b.next != NULL and not b.next.mapped else 0)
 
 
+cdef inline void gc_track(BlockPool* pool, Block* b) noexcept nogil:
+    """List `b`, just (re)inserted into `pool`, among the garbage collector's candidates when it
+    is one: a whole segment (unsplit, not expandable) of a large pool."""
+    if not pool.is_small and not b.expandable and not b.is_split():
+        pool.gc_add(b)
+
+
 cdef inline void pool_insert(BlockPool* pool, Block* b) noexcept nogil:
     # Every (re)insertion restarts the block's garbage-collection age.
     b.gc_count_base = pool.get_free_blocks_call_count
     pool.blocks.insert(b)
+    gc_track(pool, b)
 
 
 cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t stream,
@@ -252,6 +260,8 @@ cdef inline Block* take_block(CoreState* st, Block* b, bint in_pool, size_t size
     cdef BlockPool* pool = b.pool
     cdef Block* remaining
     cdef bint already_split = b.is_split()
+    if unlikely(b.gc_listed):
+        pool.gc_remove(b)       # handed out, or split: no longer a GC candidate either way
     if should_split(&st.settings, b, size):
         # The front part is handed out as a new Block; the remainder keeps its Block, shifted,
         # and its place in the pool when it still sorts there (no tree update at all).
@@ -332,6 +342,7 @@ cdef inline Block* merge_free_block(CoreState* st, Block* b) noexcept nogil:
         retire_block(st, b)
         merged.gc_count_base = pool.get_free_blocks_call_count
         pool.blocks.reposition_larger(merged)
+        gc_track(pool, merged)      # the neighbours were split, so none of them was listed
     if merged.is_split():
         split_blocks_delta += 1
         split_bytes_delta += <int64_t>merged.size

@@ -321,6 +321,32 @@ cdef struct Releases:
     Py_ssize_t n_calls
 
 
+# Segment frees and unmaps (segment_free, segment_unmap) are either an empty_cache() call or
+# releases that the allocator's own policy makes inside a malloc (garbage_collection_threshold,
+# the max_split_size release, the out-of-memory flush). The replay's allocator makes the
+# latter itself, so only the calls are replayed, as empty_cache(). Which are which:
+#   * `empty_cache_at` given (a sorted list of entry indices): an empty_cache() call at each of
+#     those entries, nothing at any other segment free or unmap (the classification of an
+#     earlier replay, for replays of the same trace under other settings or device sizes).
+#   * None: each release window (release_window) is classified when it starts. It is the
+#     policy's when the request that ends it would make this allocator release device memory
+#     (DeviceCachingAllocator.policy_release_bytes, a dry run of the ladder) and at least as
+#     many bytes as the window frees; otherwise it is an empty_cache() call. A window that
+#     ends in anything but a request (a free, a snapshot, the trace's end) is always a call.
+#     So an empty_cache() right before a malloc that releases memory itself counts as the
+#     policy's only when the policy would free as much as the window did; one that frees less
+#     than the window is a call (the policy cannot explain it). One right before a malloc that
+#     would flush reads as that flush (the traces are the same): one more allocation retry.
+# free_completed entries are applied where they stand, including those of blocks whose events
+# a flush waited for mid-ladder (their entries come before the flush's segment frees): such a
+# block is free before the malloc in the replay, and when it could serve the request, the
+# replay counts one flush and retry less than PyTorch did.
+#   * `literal_releases` True (for measuring, not for counting): each segment_free releases that
+#     very segment (a free unsplit cached block at that address; one that is not there is
+#     counted in unmatched_releases), and each window of segment_unmap entries is one
+#     empty_cache() (expandable segments' only policy release is the flush, which unmaps what
+#     empty_cache does). The allocator's state then follows the trace's at every entry
+#     whatever the limit, but the ladder's retries are not counted.
 cdef int replay_release(DeviceCachingAllocator allocator, list entries, Py_ssize_t i, object action,
                         object v_addr, object v_size, object v_stream, bint literal_releases,
                         bint classify, Releases* rel, list calls) except -1:
@@ -355,8 +381,16 @@ cdef int replay_release(DeviceCachingAllocator allocator, list entries, Py_ssize
 
 cdef tuple replay_oom(DeviceCachingAllocator allocator, Py_ssize_t i, dict d, object v_size,
                       object v_stream, bint attempt_ooms):
-    """An oom entry `i`: attempted when `attempt_ooms` (see replay_entries); its oom_requests
-    tuple. Lock held."""
+    """An oom entry `i` (a request PyTorch could not serve: its rounded size and stream), attempted
+    when `attempt_ooms`: one that runs out of memory again is counted as PyTorch counted it
+    (num_ooms, and num_alloc_retries for the flush-and-retry before it); one that fits is freed
+    at once, as the trace holds no free for it. False only measures it. Lock held.
+
+    Returns its oom_requests tuple, (index, size, stream, device_free, reserved_bytes,
+    allocated_bytes, fits, margin): reserved and allocated bytes after the attempt (after the
+    ladder when it failed, before the request when it fitted or was not attempted), fits None
+    when not attempted, margin the bytes a new segment could still have taken after serving it
+    (fits) or, negative, the bytes its segment was short of (no fit)."""
     cdef size_t size = v_size, need
     cdef uintptr_t stream = v_stream
     cdef Block* b
@@ -387,51 +421,19 @@ def replay_entries(DeviceCachingAllocator allocator, list entries, object progre
     `free_completed` frees what the matching alloc returned. An allocation that runs out of
     memory is counted and skipped, and so is its later free.
 
-    `oom` entries (a request PyTorch could not serve: its rounded size and stream) are attempted
-    at their place when `attempt_ooms` is True: one that runs out of memory again is counted as
-    PyTorch counted it (num_ooms, and num_alloc_retries for the flush-and-retry before it); one
-    that fits is freed at once, as the trace holds no free for it. False only measures them.
+    `oom` entries are attempted at their place when `attempt_ooms` (see replay_oom).
 
-    Segment frees and unmaps (segment_free, segment_unmap) are either an empty_cache() call or
-    releases that the allocator's own policy makes inside a malloc (garbage_collection_threshold,
-    the max_split_size release, the out-of-memory flush). The replay's allocator makes the
-    latter itself, so only the calls are replayed, as empty_cache(). Which are which:
-      * `empty_cache_at` given (a sorted list of entry indices): an empty_cache() call at each of
-        those entries, nothing at any other segment free or unmap (the classification of an
-        earlier replay, for replays of the same trace under other settings or device sizes).
-      * None: each release window (release_window) is classified when it starts. It is the
-        policy's when the request that ends it would make this allocator release device memory
-        (DeviceCachingAllocator.policy_release_bytes, a dry run of the ladder) and at least as
-        many bytes as the window frees; otherwise it is an empty_cache() call. A window that
-        ends in anything but a request (a free, a snapshot, the trace's end) is always a call.
-        So an empty_cache() right before a malloc that releases memory itself counts as the
-        policy's only when the policy would free as much as the window did; one that frees less
-        than the window is a call (the policy cannot explain it). One right before a malloc that
-        would flush reads as that flush (the traces are the same): one more allocation retry.
-    free_completed entries are applied where they stand, including those of blocks whose events
-    a flush waited for mid-ladder (their entries come before the flush's segment frees): such a
-    block is free before the malloc in the replay, and when it could serve the request, the
-    replay counts one flush and retry less than PyTorch did.
-      * `literal_releases` True (for measuring, not for counting): each segment_free releases that
-        very segment (a free unsplit cached block at that address; one that is not there is
-        counted in unmatched_releases), and each window of segment_unmap entries is one
-        empty_cache() (expandable segments' only policy release is the flush, which unmaps what
-        empty_cache does). The allocator's state then follows the trace's at every entry
-        whatever the limit, but the ladder's retries are not counted.
+    Segment frees and unmaps are replayed by replay_release (see the comment above it: literal,
+    classified, or at `empty_cache_at`; `literal_releases` for measuring, not for counting).
     `progress(done, total)` is called every `progress_every` events.
 
     Returns (allocations, address_matches, out_of_memory, unknown_frees, empty_cache_calls,
     oom_requests, first_failed_alloc): out_of_memory counts alloc entries that failed;
     unknown_frees counts frees of addresses the trace never allocated, the mark of a ring buffer
     that wrapped; empty_cache_calls lists the entry indices replayed as empty_cache();
-    oom_requests holds one tuple per oom entry, (index, size, stream, device_free,
-    reserved_bytes, allocated_bytes, fits, margin): reserved and allocated bytes after the
-    attempt (after the ladder when it failed, before the request when it fitted or was not
-    attempted), fits None when not attempted, margin the bytes a new segment could still have
-    taken after serving it (fits) or, negative, the bytes its segment was short of (no fit);
+    oom_requests holds one tuple per oom entry (replay_oom);
     first_failed_alloc is the index of the first alloc entry that ran out of memory, or -1;
     unmatched_releases (literal_releases only) counts segment_free entries with no such segment.
-    Written in Cython because replay speed is what `pyalloc tune` is made of.
     """
     cdef Py_ssize_t i, n = len(entries)
     cdef object entry

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -66,6 +67,9 @@ struct PoolEntry {
     Block* block;
 };
 
+// Stream uses a block holds from which it keeps them in a set too (Block::use_index).
+static const size_t kUseIndexMin = 8;
+
 // Best-fit order: (stream, size, address). lower_bound with the request's stream and rounded size
 // finds the smallest block of that stream that fits, lowest address first on ties.
 struct EntryBySize {
@@ -110,10 +114,37 @@ struct alignas(64) Block {
     int64_t gc_count_base = 0;     // pool->get_free_blocks_call_count when last inserted
     ExpandableSegment* segment = nullptr;  // that segment, when expandable
     uint32_t segment_context_id = 0;  // stack of the segment allocation, on the head block
+    bool gc_listed = false;        // in its pool's garbage-collection candidates (BlockPool::gc_*)
     void* py_address = nullptr;    // a Python int owned by the core, equal to py_address_value:
     uintptr_t py_address_value = 0;  // malloc() returns it again while ptr still equals it
+    Block* gc_prev = nullptr;      // neighbours in the pool's candidates, by gc_count_base
+    Block* gc_next = nullptr;
+    // stream_uses as a set, kept once the block has kUseIndexMin uses, so that asking whether it
+    // uses a stream costs the same with 10,000 uses as with 8 (built by index_use, dropped with
+    // drop_use_index wherever stream_uses is emptied).
+    std::unordered_set<uintptr_t>* use_index = nullptr;
 
+    ~Block() { delete use_index; }
     bool is_split() const { return prev != nullptr || next != nullptr; }
+    bool uses_stream(uintptr_t stream) const {
+        if (use_index != nullptr) return use_index->count(stream) != 0;
+        for (uintptr_t used : stream_uses) if (used == stream) return true;
+        return false;
+    }
+    // Room for the new use `stream` in the index, when the block keeps (or now starts) one:
+    // std::bad_alloc leaves the index as it was (without `stream`), consistent with stream_uses.
+    void index_use(uintptr_t stream) {
+        if (use_index == nullptr) {
+            if (stream_uses.size() + 1 < kUseIndexMin) return;
+            std::unordered_set<uintptr_t>* index =
+                new std::unordered_set<uintptr_t>(stream_uses.begin(), stream_uses.end());
+            use_index = index;
+        }
+        use_index->insert(stream);
+    }
+    void drop_use_index() { delete use_index; use_index = nullptr; }
+    // A new use would be indexed (index_use allocates for it).
+    bool new_use_indexed() const { return stream_uses.size() + 1 >= kUseIndexMin; }
 };
 
 
@@ -335,9 +366,49 @@ struct BlockPool {
     bool is_small;                         // holds blocks of rounded size <= 1 MiB
     PrivatePool* owner;                    // nullptr for the default pools
     int64_t get_free_blocks_call_count = 0;  // the garbage collector's clock
+    // The garbage collector's candidates: the free blocks of a large pool that are whole segments
+    // (unsplit, not expandable), listed by gc_count_base, oldest first, with their count and the
+    // sum of their gc_count_base. Their average age at clock c is c - sum / count, and the blocks
+    // at least as old as any age are a prefix of the list, so a GC pass costs what it releases
+    // instead of a walk of the whole pool.
+    Block* gc_head = nullptr;
+    Block* gc_tail = nullptr;
+    int64_t gc_count = 0;
+    int64_t gc_base_sum = 0;
 
     BlockPool(bool small, PrivatePool* owner_pool) : is_small(small), owner(owner_pool) {}
+
+    // b has just entered the pool as a whole segment. Blocks enter with gc_count_base = the clock,
+    // which never decreases, so the search from the tail stops at once.
+    void gc_add(Block* b) {
+        Block* before = gc_tail;
+        while (before != nullptr && before->gc_count_base > b->gc_count_base) before = before->gc_prev;
+        b->gc_prev = before;
+        b->gc_next = before != nullptr ? before->gc_next : gc_head;
+        if (b->gc_next != nullptr) b->gc_next->gc_prev = b; else gc_tail = b;
+        if (before != nullptr) before->gc_next = b; else gc_head = b;
+        b->gc_listed = true;
+        ++gc_count;
+        gc_base_sum += b->gc_count_base;
+    }
+    // b leaves the pool or stops being a whole segment (no-op when not listed).
+    void gc_remove(Block* b) {
+        if (!b->gc_listed) return;
+        if (b->gc_prev != nullptr) b->gc_prev->gc_next = b->gc_next; else gc_head = b->gc_next;
+        if (b->gc_next != nullptr) b->gc_next->gc_prev = b->gc_prev; else gc_tail = b->gc_prev;
+        b->gc_prev = b->gc_next = nullptr;
+        b->gc_listed = false;
+        --gc_count;
+        gc_base_sum -= b->gc_count_base;
+    }
 };
+
+// Sort blocks into their pool's best-fit order (stream, size, address).
+inline void sort_best_fit(std::vector<Block*>& blocks) {
+    std::sort(blocks.begin(), blocks.end(), [](Block* x, Block* y) {
+        return EntryBySize()(BlockSet::entry_of(x), BlockSet::entry_of(y));
+    });
+}
 
 // A pool id, PyTorch's MempoolId_t: (0, 0) is the default pool, (0, n) a user-created pool
 // (MemPool, graph_pool_handle), (n, 0) one a graph capture created for itself.
@@ -391,18 +462,83 @@ struct CaptureUses {
 typedef std::pair<Block*, uint64_t> DeferredEntry;
 
 // One stream's reuse state in one capture: the graph nodes known to precede its terminals
-// (closed under parents, so a node is expanded at most once per stream and capture), and the
+// (closed under parents; a bit per node of its capture's CaptureReuse, by dense id), and the
 // blocks of that stream deferred with free markers, indexed by the first marker not known to
 // precede yet. A malloc then does work for the nodes its walk newly finds and the blocks they
 // make ready, not for every deferred block.
 struct StreamReuse {
-    std::unordered_set<uintptr_t> visited;
+    std::vector<uint64_t> visited_bits;
     std::unordered_map<uintptr_t, std::vector<DeferredEntry>> waiting;   // marker node -> blocks
     std::vector<DeferredEntry> ready;        // every marker visited: free at the next malloc here
+
+    bool visited(uint32_t id) const {
+        return (id >> 6) < visited_bits.size() && (visited_bits[id >> 6] >> (id & 63)) & 1;
+    }
+    // Marks node `id` visited; true when it was not.
+    bool visit(uint32_t id) {
+        if ((id >> 6) >= visited_bits.size()) visited_bits.resize((id >> 6) + 1, 0);
+        uint64_t bit = (uint64_t)1 << (id & 63);
+        if (visited_bits[id >> 6] & bit) return false;
+        visited_bits[id >> 6] |= bit;
+        return true;
+    }
+    void unvisit(uint32_t id) { visited_bits[id >> 6] &= ~((uint64_t)1 << (id & 63)); }
 };
 
+static const uint32_t kNodeNotExpanded = UINT32_MAX;   // CaptureReuse.first_parent: not yet
+
+// The reuse state of one capture. Its graph as far as the walks have seen it is shared by all its
+// streams: each node gets a dense id, and its parents are asked of the backend once per capture
+// (not once per stream), kept as ids, so a stream's walk over nodes another stream has seen is a
+// loop over memory.
 struct CaptureReuse {
     std::unordered_map<uintptr_t, StreamReuse> streams;
+    std::unordered_map<uintptr_t, uint32_t> ids;   // node handle -> dense id
+    std::vector<uintptr_t> handles;                // dense id -> node handle
+    std::vector<uint32_t> first_parent;            // into parent_ids, or kNodeNotExpanded
+    std::vector<uint32_t> parent_count;
+    std::vector<uint32_t> parent_ids;
+    std::vector<bool> waited_on;                   // some stream files a block under this marker
+
+    uint32_t intern(uintptr_t node) {
+        // find first: emplace would make (and free) a map node for every handle already known
+        auto known = ids.find(node);
+        if (known != ids.end()) return known->second;
+        uint32_t id = (uint32_t)handles.size();
+        try {
+            handles.push_back(node);
+            first_parent.push_back(kNodeNotExpanded);
+            parent_count.push_back(0);
+            waited_on.push_back(false);
+            ids.emplace(node, id);
+        } catch (...) {     // std::bad_alloc: as it was
+            handles.resize(id);
+            first_parent.resize(id);
+            parent_count.resize(id);
+            waited_on.resize(id);
+            throw;
+        }
+        return id;
+    }
+    // The dense id of `node`, or -1 when no walk has seen it.
+    int64_t find(uintptr_t node) const {
+        auto found = ids.find(node);
+        return found == ids.end() ? -1 : (int64_t)found->second;
+    }
+    bool expanded(uint32_t id) const { return first_parent[id] != kNodeNotExpanded; }
+    // Record the parents of node `id` (handles, as the backend gave them).
+    void set_parents(uint32_t id, const std::vector<uintptr_t>& parents) {
+        uint32_t first = (uint32_t)parent_ids.size();
+        for (uintptr_t p : parents) {
+            uint32_t pid = intern(p);
+            parent_ids.push_back(pid);
+        }
+        first_parent[id] = first;
+        parent_count[id] = (uint32_t)parents.size();
+    }
+    uint32_t parent(uint32_t id, uint32_t i) const { return parent_ids[first_parent[id] + i]; }
+    bool is_waited_on(uint32_t id) const { return waited_on[id]; }
+    void set_waited_on(uint32_t id) { waited_on[id] = true; }
 };
 
 // The settings the policy reads (bytes unless noted), copied from a config object.
@@ -419,6 +555,9 @@ struct Settings {
     bool graph_last_use = false;                 // graph_capture_last_use_marks (pyalloc only)
     bool graph_cross_stream_reuse = false;       // graph_capture_cross_stream_reuse (pyalloc only)
     double memory_fraction = 1.0;
+    // event_poll_streams (pyalloc only): streams whose oldest events a cache-hit malloc polls,
+    // in turn (a miss polls all first); 0: every stream on every malloc, as PyTorch.
+    uint32_t event_poll_streams = 0;
     size_t roundup_divisions[16] = {0};          // roundup_power2_divisions per 1 MiB..32 GiB bucket
 };
 

@@ -39,7 +39,15 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         uint32_t segment_context_id
         void* py_address
         uintptr_t py_address_value
+        bint gc_listed
+        Block* gc_prev
+        Block* gc_next
+        unordered_set[uintptr_t]* use_index
         bint is_split()
+        bint uses_stream(uintptr_t)
+        void index_use(uintptr_t) except +
+        void drop_use_index()
+        bint new_use_indexed()
 
     cdef cppclass BlockSet:
         cppclass iterator:
@@ -89,9 +97,16 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         bint is_small
         PrivatePool* owner
         int64_t get_free_blocks_call_count
+        Block* gc_head
+        int64_t gc_count
+        int64_t gc_base_sum
         BlockPool(bint, PrivatePool*)
+        void gc_add(Block*)
+        void gc_remove(Block*)
 
     ctypedef pair[int64_t, int64_t] MempoolId
+
+    void sort_best_fit(vector[Block*]&)
 
     cdef cppclass PrivatePool:
         MempoolId id
@@ -186,12 +201,23 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         DeferredEntry(Block*, uint64_t)
 
     cdef cppclass StreamReuse:
-        unordered_set[uintptr_t] visited
         unordered_map[uintptr_t, vector[DeferredEntry]] waiting
         vector[DeferredEntry] ready
+        bint visited(uint32_t)
+        bint visit(uint32_t)
+        void unvisit(uint32_t)
 
     cdef cppclass CaptureReuse:
         unordered_map[uintptr_t, StreamReuse] streams
+        vector[uintptr_t] handles
+        vector[uint32_t] parent_count
+        uint32_t intern(uintptr_t) except +
+        int64_t find(uintptr_t)
+        bint expanded(uint32_t)
+        void set_parents(uint32_t, vector[uintptr_t]&) except +
+        uint32_t parent(uint32_t, uint32_t)
+        bint is_waited_on(uint32_t)
+        void set_waited_on(uint32_t)
 
     cdef cppclass Settings:
         size_t max_split_size
@@ -203,6 +229,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         bint release_lock_on_malloc
         bint graph_reuse
         bint graph_last_use
+        uint32_t event_poll_streams
         bint graph_cross_stream_reuse
         size_t allowed_memory_maximum
         double memory_fraction

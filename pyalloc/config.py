@@ -52,7 +52,7 @@ MAX_REGISTER_THREADS = 128
 ENV_VARS = ("PYALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # Keys of pyalloc's own, which PyTorch rejects: a setting string with one belongs in PYALLOC_CONF.
 PYALLOC_ONLY_KEYS = ("graph_capture_last_use_marks", "graph_capture_cross_stream_reuse",
-                     "recycle_pages")
+                     "recycle_pages", "event_poll_streams")
 
 _SEPARATORS = ",:[]"
 _GT_OUTSIDE_LIST = "'>' is only valid inside a list: roundup_power2_divisions:[...,>:M]"
@@ -468,6 +468,9 @@ class CudaAllocatorConfig(AllocatorConfig):
         when a segment grows, the whole pages of free blocks elsewhere are unmapped into a pool
         of physical pages that every map takes from before it creates memory. Reserved bytes
         count that pool; empty_cache and the out-of-memory ladder release it first.
+      event_poll_streams: int, default 0 (pyalloc only): a malloc that a cached block serves
+        polls the pending events of at most this many streams, in turn, instead of every
+        stream's (a cache miss still polls them all first); 0 polls every stream, as PyTorch.
       per_process_memory_fraction: fraction of device memory in [0.0, 1.0], default 1.0.
     """
 
@@ -482,6 +485,7 @@ class CudaAllocatorConfig(AllocatorConfig):
         "graph_capture_last_use_marks": False,
         "graph_capture_cross_stream_reuse": False,
         "recycle_pages": False,
+        "event_poll_streams": 0,
         "per_process_memory_fraction": 1.0,
     }
 
@@ -505,6 +509,14 @@ class CudaAllocatorConfig(AllocatorConfig):
     _parse_graph_last_use = _bool_setting("graph_capture_last_use_marks")
     _parse_graph_cross_stream = _bool_setting("graph_capture_cross_stream_reuse")
     _parse_recycle_pages = _bool_setting("recycle_pages")
+
+    @_parses("event_poll_streams")
+    def _parse_event_poll_streams(self, tok: ConfigTokenizer, i: int, key: str) -> int:
+        streams = tok.size(i, f"{key} (streams)")
+        if streams >= 1 << 32:
+            raise tok.error(i, f"{key}: streams polled per malloc must be below 2**32, got {streams}")
+        self.event_poll_streams = streams
+        return i + 1
 
     @_parses("pinned_num_register_threads")
     def _parse_pinned_num_register_threads(self, tok: ConfigTokenizer, i: int, key: str) -> int:

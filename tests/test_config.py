@@ -123,6 +123,8 @@ def test_empty_or_blank_string_gives_defaults(text):
     ("per_process_memory_fraction:0.0", "per_process_memory_fraction", 0.0),
     ("per_process_memory_fraction:0.5", "per_process_memory_fraction", 0.5),
     ("per_process_memory_fraction:1", "per_process_memory_fraction", 1.0),
+    ("event_poll_streams:0", "event_poll_streams", 0),
+    ("event_poll_streams:8", "event_poll_streams", 8),
 ])
 def test_key_accepts_good_value(text, attribute, expected):
     assert getattr(Cuda(text), attribute) == expected
@@ -171,6 +173,8 @@ def test_key_accepts_good_value(text, attribute, expected):
     ("per_process_memory_fraction:1.5", 28, "1.5", "must be in [0.0, 1.0]"),
     ("per_process_memory_fraction:-0.1", 28, "-0.1", "must be in [0.0, 1.0]"),
     ("per_process_memory_fraction:half", 28, "half", "expected a number"),
+    ("event_poll_streams:4294967296", 19, "4294967296", "must be below 2**32"),
+    ("event_poll_streams:-1", 19, "-1", "expected a non-negative integer"),
 ])
 def test_key_rejects_bad_value(text, position, token, fragment):
     err = parse_error(text)

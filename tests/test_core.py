@@ -749,6 +749,52 @@ def test_record_stream_delays_reuse_until_work_queued_before_free_completes():
     assert alloc.malloc(512) == p
 
 
+def streams_with_pending_events(sim, alloc, count, done):
+    """`count` streams, each with a 512-byte block waiting for its event (complete when `done`)."""
+    streams = [sim.create_stream() for _ in range(count)]
+    for s in streams:
+        p = alloc.malloc(512)
+        alloc.record_stream(p, s)
+        sim.launch(s)
+        alloc.free(p)
+        if done:
+            sim.complete(s)
+    return streams
+
+
+@sim_only("counts the simulated device's event queries")
+def test_event_poll_streams_polls_that_many_streams_on_a_cache_hit():
+    sim, alloc = make("event_poll_streams:2")
+    streams_with_pending_events(sim, alloc, 5, done=False)
+    before = sim.counters["event_query"]
+    alloc.free(alloc.malloc(512))
+    assert sim.counters["event_query"] - before == 2
+
+
+@sim_only("completes simulated work")
+def test_event_poll_streams_reaches_every_stream_in_turn():
+    sim, alloc = make("event_poll_streams:2")
+    streams_with_pending_events(sim, alloc, 5, done=True)
+    for _ in range(3):                            # 3 x 2 >= 5 streams
+        alloc.free(alloc.malloc(512))
+    assert alloc._outstanding_events() == 0
+
+
+@sim_only("completes simulated work")
+def test_event_poll_streams_polls_every_stream_before_a_cache_miss():
+    sim, alloc = make("event_poll_streams:1")
+    streams_with_pending_events(sim, alloc, 3, done=False)
+    s = sim.create_stream()
+    big = alloc.malloc(30 * MiB)
+    alloc.record_stream(big, s)
+    sim.launch(s)
+    alloc.free(big)
+    sim.complete(s)
+    segments = stat(alloc, "num_device_alloc")
+    assert alloc.malloc(30 * MiB) == big          # not a new segment, whichever stream was next
+    assert stat(alloc, "num_device_alloc") == segments
+
+
 def test_record_stream_ignores_work_queued_after_the_free():
     sim, alloc = make()
     s1 = sim.create_stream()

@@ -493,6 +493,27 @@ def test_the_reuse_walk_expands_each_node_once_per_stream():
     assert 0 < expanded <= nodes
 
 
+def test_the_reuse_walks_of_two_streams_ask_for_each_nodes_parents_once():
+    """Both streams walk the same joined graph; its nodes' parents are asked for once in all."""
+    sim, alloc, s0, s1 = capture_two_streams(REUSE)
+    with alloc.graph(s0):
+        join(sim, s1, s0)
+        for _ in range(20):
+            p0, p1 = alloc.malloc(4 * KiB, s0), alloc.malloc(4 * KiB, s1)
+            alloc.record_stream(p0, s1)
+            alloc.record_stream(p1, s0)
+            sim.launch(s0, uses=(p0, p1))
+            sim.launch(s1, uses=(p0, p1))
+            join(sim, s0, s1)
+            join(sim, s1, s0)
+            alloc.free(p0)
+            alloc.free(p1)
+        expanded = alloc._capture_stats()["nodes_expanded"]
+        nodes = len(ancestors(sim, terminals(sim, s0) + terminals(sim, s1)))
+        join(sim, s0, s1)
+    assert 0 < expanded <= nodes
+
+
 # ------------------------------------------------------------------------------- the safety property
 
 OPTIONS = ["", REUSE, REUSE + ",graph_capture_cross_stream_reuse:True",
