@@ -11,8 +11,8 @@ PyTorch use) and makes it current around the driver calls that act on "the curre
 caller's context afterwards, so that a CuPy or PyTorch "current device" is never changed by pyalloc.
 
 Errors: every CUresult is checked; a failure raises pyalloc.CudaError(call, result, name,
-description). Out of memory from cuMemAlloc is not an error here: segment_alloc returns
-BACKEND_OOM so that the core can run its release-and-retry ladder.
+description) (_cuda_calls, shared with CudaHost). Out of memory from cuMemAlloc is not an error
+here: segment_alloc returns BACKEND_OOM so that the core can run its release-and-retry ladder.
 
 Driver calls that can block (cuMemAlloc, cuMemFree, which synchronises the device, and the
 synchronize calls) run with the GIL released; the core's own mutex keeps its state consistent.
@@ -39,186 +39,11 @@ from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
-from pyalloc.errors import CudaError, NoCudaDriverError
-
-
-# ------------------------------------------------------------------------------------ errors
-
-def error_name(int result):
-    """(name, description) of a CUresult, e.g. ("CUDA_ERROR_OUT_OF_MEMORY", "out of memory")."""
-    cdef const char* name = NULL
-    cdef const char* desc = NULL
-    cdef cydriver.CUresult r = <cydriver.CUresult>result
-    if cydriver.cuGetErrorName(r, &name) != cydriver.CUDA_SUCCESS or name == NULL:
-        name = NULL
-    if cydriver.cuGetErrorString(r, &desc) != cydriver.CUDA_SUCCESS or desc == NULL:
-        desc = NULL
-    return ((name.decode("utf-8", "replace") if name != NULL else ""),
-            (desc.decode("utf-8", "replace") if desc != NULL else ""))
-
-
-cdef int raise_error(str call, cydriver.CUresult result) except -1:
-    name, desc = error_name(<int>result)
-    raise CudaError(call, <int>result, name, desc)
-
-
-cdef inline int check(cydriver.CUresult result, str call) except -1:
-    if result != cydriver.CUDA_SUCCESS:
-        raise_error(call, result)
-    return 0
-
-
-cdef inline int check_in_context(cydriver.CUresult r_enter, cydriver.CUresult r_call, str call,
-                                 cydriver.CUresult r_leave) except -1:
-    """The results of one call made with our context current (CudaDevice._enter, the call,
-    _leave), checked in that order: the first failure is the error raised."""
-    check(r_enter, "cuCtxSetCurrent")
-    check(r_call, call)
-    check(r_leave, "cuCtxSetCurrent")
-    return 0
-
-
-# ------------------------------------------------------------------- relaxed capture mode
-#
-# While a stream captures in global mode (the default, and what torch.cuda.graph uses), every
-# thread is "prohibited from potentially unsafe API calls": cuMemAlloc, cuMemFree and friends fail
-# with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture. Allocation is not part of
-# the captured work (the allocator hands out memory at capture time and the graph reuses it at
-# every replay), so, like PyTorch's cudaMallocMaybeCapturing, the memory calls below run with this
-# thread switched to relaxed mode and then switched back:
-#
-#     mode = RELAXED; cuThreadExchangeStreamCaptureMode(&mode)   # mode now holds the caller's
-#     ... cuMemAlloc ...
-#     cuThreadExchangeStreamCaptureMode(&mode)                   # the caller's mode is back
-#
-# CudaDevice._relaxed_call is that pattern, written once: each memory call is a _MemoryCall (a
-# function of one argument block, below) that it runs between the two exchanges, and the
-# results of every step come back in a _Relaxed for the caller to check in its own order (which
-# failure is raised first, and what it still records, differ: segment_alloc must report out of
-# memory without raising, vm_release and vm_unmap record what the driver did release).
-#
-# Cost: two calls per driver memory call, on the slow path only (a cache hit never reaches the
-# backend). cuThreadExchangeStreamCaptureMode swaps a thread-local value in the driver (no lock,
-# no system call, no device work): tens of nanoseconds through cydriver's function pointer, against
-# microseconds to milliseconds for cuMemAlloc/cuMemFree/cuMemMap themselves. The fake-driver tests
-# count exactly two exchanges per segment allocation and none for a cache hit.
-# Exchanging unconditionally is cheaper than asking first whether anything captures (that is a
-# driver call too) and also covers captures begun by other threads, which we cannot see.
-
-ctypedef cydriver.CUresult (*_MemoryCall)(void* args) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil
-
-cdef struct _Relaxed:
-    # The result of each step of CudaDevice._relaxed_call; CUDA_SUCCESS for a step not taken.
-    cydriver.CUresult enter     # making our context current (when asked for)
-    cydriver.CUresult relax     # the exchange into relaxed mode: nothing else ran if it failed
-    cydriver.CUresult call      # the memory call
-    cydriver.CUresult restore   # the exchange back to the caller's mode (made whenever relax worked)
-    cydriver.CUresult leave     # the caller's context back (made whenever enter worked)
-
-
-cdef struct _MemoryArgs:
-    # The arguments of one single-call _MemoryCall.
-    cydriver.CUdeviceptr ptr    # the address: given (free, address free) or received (alloc, reserve)
-    size_t nbytes
-    size_t* free_bytes          # cuMemGetInfo's answers
-    size_t* total_bytes
-
-
-cdef cydriver.CUresult _mem_alloc(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    cdef _MemoryArgs* a = <_MemoryArgs*>p
-    return cydriver.cuMemAlloc(&a.ptr, a.nbytes)
-
-
-cdef cydriver.CUresult _mem_free(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    return cydriver.cuMemFree((<_MemoryArgs*>p).ptr)
-
-
-cdef cydriver.CUresult _mem_get_info(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    cdef _MemoryArgs* a = <_MemoryArgs*>p
-    return cydriver.cuMemGetInfo(a.free_bytes, a.total_bytes)
-
-
-cdef cydriver.CUresult _address_reserve(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    cdef _MemoryArgs* a = <_MemoryArgs*>p
-    return cydriver.cuMemAddressReserve(&a.ptr, a.nbytes, 0, 0, 0)
-
-
-cdef cydriver.CUresult _address_free(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    cdef _MemoryArgs* a = <_MemoryArgs*>p
-    return cydriver.cuMemAddressFree(a.ptr, a.nbytes)
-
-
-cdef struct _Pages:
-    # The pages of one vm_map or vm_unmap: `count` pages of `page` bytes from `addr`, one
-    # physical allocation (handles[i]) each, and the result of each kind of call made on them.
-    uintptr_t addr
-    size_t nbytes
-    size_t page
-    size_t count
-    cydriver.CUmemGenericAllocationHandle* handles
-    cydriver.CUmemAllocationProp* prop      # vm_map: what to create
-    cydriver.CUmemAccessDesc* access        # vm_map: who may read and write
-    size_t access_count
-    bint kept                               # vm_map_handles / vm_unmap_keep: the handles exist
-    size_t released                         # pages released (the first `released` handles)
-    cydriver.CUresult r_create, r_map, r_access, r_unmap, r_release
-
-
-cdef inline _Pages _pages(uintptr_t addr, size_t nbytes, size_t page,
-                          cydriver.CUmemGenericAllocationHandle* handles) noexcept:
-    """A _Pages for [addr, addr + nbytes) in pages of `page` bytes, no call made yet."""
-    cdef _Pages g
-    memset(&g, 0, sizeof(g))                # CUDA_SUCCESS is 0: every result "not failed"
-    g.addr, g.nbytes, g.page, g.count, g.handles = addr, nbytes, page, nbytes // page, handles
-    return g
-
-
-cdef cydriver.CUresult _map_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    """Create (unless g.kept: the handles exist), map and open the pages; on any failure undo
-    this call's work, so that nothing is left half mapped. Returns the first failure (the r_*
-    fields say which step)."""
-    cdef _Pages* g = <_Pages*>p
-    cdef size_t created = g.count if g.kept else 0, mapped = 0, i
-    while created < g.count:
-        g.r_create = cydriver.cuMemCreate(&g.handles[created], g.page, g.prop, 0)
-        if g.r_create != cydriver.CUDA_SUCCESS:
-            break
-        created += 1
-    if created == g.count:
-        while mapped < g.count:
-            g.r_map = cydriver.cuMemMap(<cydriver.CUdeviceptr>(g.addr + mapped * g.page), g.page, 0,
-                                        g.handles[mapped], 0)
-            if g.r_map != cydriver.CUDA_SUCCESS:
-                break
-            mapped += 1
-    if mapped == g.count:
-        g.r_access = cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>g.addr, g.nbytes, g.access, g.access_count)
-    if g.r_access != cydriver.CUDA_SUCCESS or mapped != g.count:
-        for i in range(mapped):
-            cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(g.addr + i * g.page), g.page)
-        for i in range(0 if g.kept else created):
-            cydriver.cuMemRelease(g.handles[i])
-    if g.r_create != cydriver.CUDA_SUCCESS:
-        return g.r_create
-    return g.r_map if g.r_map != cydriver.CUDA_SUCCESS else g.r_access
-
-
-cdef cydriver.CUresult _unmap_pages(void* p) except ?cydriver.CUDA_ERROR_NOT_FOUND nogil:
-    """Unmap the range (unless g.addr is 0: release only), then, unless g.kept, release each
-    page's allocation (stopping at the first failure). Returns the first failure (the r_* fields
-    say which step)."""
-    cdef _Pages* g = <_Pages*>p
-    cdef size_t i
-    if g.addr:
-        g.r_unmap = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>g.addr, g.nbytes)
-        if g.r_unmap != cydriver.CUDA_SUCCESS or g.kept:
-            return g.r_unmap
-    for i in range(g.count):
-        g.r_release = cydriver.cuMemRelease(g.handles[i])
-        if g.r_release != cydriver.CUDA_SUCCESS:
-            break
-        g.released += 1
-    return g.r_release
+from pyalloc._cuda_calls cimport (raise_error, check, check_in_context, _MemoryCall, _Relaxed,
+                                  _MemoryArgs, _Pages, _pages, _mem_alloc, _mem_free, _mem_get_info,
+                                  _address_reserve, _address_free, _map_pages, _unmap_pages)
+from pyalloc._cuda_calls import error_name
+from pyalloc.errors import NoCudaDriverError
 
 
 # ------------------------------------------------------------------------------ driver probe
@@ -266,30 +91,27 @@ def driver_version():
     return version
 
 
-def current_device():
-    """Ordinal of the device whose context is current on this thread, or -1 when none is."""
+cdef int current_ordinal(int none) except? -2:
+    """Ordinal of the device whose context is current on this thread, or `none` when none is."""
     cdef cydriver.CUcontext ctx = NULL
     cdef cydriver.CUdevice dev = 0
     if not _initialized:
-        return -1
+        return none
     check(cydriver.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent")
     if ctx == NULL:
-        return -1
+        return none
     check(cydriver.cuCtxGetDevice(&dev), "cuCtxGetDevice")
     return <int>dev
+
+
+def current_device():
+    """Ordinal of the device whose context is current on this thread, or -1 when none is."""
+    return current_ordinal(-1)
 
 
 def current_device_or_zero():
     """current_device(), but 0 when no context is current: what device=None means to pyalloc."""
-    cdef cydriver.CUcontext ctx = NULL
-    cdef cydriver.CUdevice dev = 0
-    if not _initialized:
-        return 0
-    check(cydriver.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent")
-    if ctx == NULL:
-        return 0
-    check(cydriver.cuCtxGetDevice(&dev), "cuCtxGetDevice")
-    return <int>dev
+    return current_ordinal(0)
 
 
 def pointer_device(uintptr_t ptr):

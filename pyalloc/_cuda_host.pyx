@@ -11,13 +11,13 @@ that capture. Blocking calls run without the GIL. Importing this module loads cu
 driver bindings; pyalloc.host imports it only for a CUDA device.
 """
 cimport cuda.bindings.cydriver as cydriver
+from pyalloc._cuda_calls cimport check
 from libc.stdint cimport uintptr_t
 from libc.stdlib cimport free as c_free
 from posix.stdlib cimport posix_memalign
 
 from pyalloc._backend cimport Backend
 from pyalloc._host_backend cimport HostBackend
-from pyalloc.errors import CudaError
 
 cdef extern from "_host_types.h" namespace "pyalloc_host" nogil:
     void touch_pages_c "pyalloc_host::touch_pages"(uintptr_t ptr, size_t size, int threads)
@@ -29,19 +29,6 @@ cdef enum:
     OP_UNREGISTER = 3
 
 cdef tuple CALLS = ("cuMemHostAlloc", "cuMemFreeHost", "cuMemHostRegister", "cuMemHostUnregister")
-
-
-cdef int _check(cydriver.CUresult r, str call) except -1:
-    cdef const char* name = NULL
-    cdef const char* desc = NULL
-    if r == cydriver.CUDA_SUCCESS:
-        return 0
-    if cydriver.cuGetErrorName(r, &name) != cydriver.CUDA_SUCCESS:
-        name = NULL
-    if cydriver.cuGetErrorString(r, &desc) != cydriver.CUDA_SUCCESS:
-        desc = NULL
-    raise CudaError(call, <int>r, name.decode() if name != NULL else "",
-                    desc.decode() if desc != NULL else "")
 
 
 cdef class CudaHost(HostBackend):
@@ -59,10 +46,10 @@ cdef class CudaHost(HostBackend):
             raise ValueError(f"CudaHost needs a CudaDevice, got a {device.kind!r} backend ({device!r})")
         HostBackend.__init__(self, device)
         self.kind = "cuda"
-        _check(cydriver.cuDeviceGet(&dev, device.device), "cuDeviceGet")
+        check(cydriver.cuDeviceGet(&dev, device.device), "cuDeviceGet")
         with nogil:
             r = cydriver.cuDevicePrimaryCtxRetain(&ctx, dev)
-        _check(r, "cuDevicePrimaryCtxRetain")
+        check(r, "cuDevicePrimaryCtxRetain")
         self._ctx = ctx
         self._cudevice = dev
         self._retained = True
@@ -75,7 +62,7 @@ cdef class CudaHost(HostBackend):
         """Release the primary context reference (the memory stays the allocator's to free)."""
         if self._retained:
             self._retained = False
-            _check(cydriver.cuDevicePrimaryCtxRelease(self._cudevice), "cuDevicePrimaryCtxRelease")
+            check(cydriver.cuDevicePrimaryCtxRelease(self._cudevice), "cuDevicePrimaryCtxRelease")
 
     cdef int _call(self, int op, void** p, size_t size) except -1:
         """One driver call `op` in our context and relaxed capture mode, the GIL released; the
@@ -105,13 +92,13 @@ cdef class CudaHost(HostBackend):
                     r_restore = cydriver.cuThreadExchangeStreamCaptureMode(&mode)
                 if prev != self._ctx:
                     r_leave = cydriver.cuCtxSetCurrent(prev)
-        _check(r_enter, "cuCtxSetCurrent")
-        _check(r_relax, "cuThreadExchangeStreamCaptureMode")
+        check(r_enter, "cuCtxSetCurrent")
+        check(r_relax, "cuThreadExchangeStreamCaptureMode")
         if r_call != cydriver.CUDA_SUCCESS and op == OP_ALLOC:
             p[0] = NULL
-        _check(r_call, CALLS[op])
-        _check(r_restore, "cuThreadExchangeStreamCaptureMode")
-        _check(r_leave, "cuCtxSetCurrent")
+        check(r_call, CALLS[op])
+        check(r_restore, "cuThreadExchangeStreamCaptureMode")
+        check(r_leave, "cuCtxSetCurrent")
         return 0
 
     cdef int host_alloc(self, size_t nbytes, uintptr_t* ptr) except -1:

@@ -350,6 +350,9 @@ def queries_of_one_hit(dev, h):
     interval = sys.getswitchinterval()
     sys.setswitchinterval(60.0)
     try:
+        # A sleep gives the GIL up once, so that a switch the polling thread asked for under the
+        # old interval happens now; from its next sleep on it waits 60 s before asking again.
+        time.sleep(0.001)
         queries = dev.counters["event_query"]
         h.free(h.malloc(8192))
         return dev.counters["event_query"] - queries
