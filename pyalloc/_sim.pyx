@@ -86,6 +86,7 @@ from pyalloc._sim_streams cimport Streams, StreamState, EventState
 from pyalloc._sim_capture cimport Captures
 from pyalloc._sim_capture import ERRORS as _ERRORS, MODE_NAMES as _MODE_NAMES
 from pyalloc.errors import CudaError
+from pyalloc._faults import InjectedFailures
 
 cdef size_t MiB = 1 << 20
 cdef size_t GiB = 1 << 30
@@ -108,7 +109,6 @@ _DRIVER_CALLS = {
     "capture_info": "cuStreamGetCaptureInfo", "node_dependencies": "cuGraphNodeGetDependencies",
     "graph_launch": "cuGraphLaunch", "graph_destroy": "cuGraphDestroy",
 }
-_OPERATION_OF = {driver: op for op, driver in _DRIVER_CALLS.items()}
 _RESULT_NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY",
                  400: "CUDA_ERROR_INVALID_HANDLE", 700: "CUDA_ERROR_ILLEGAL_ADDRESS",
                  999: "CUDA_ERROR_UNKNOWN"}
@@ -173,7 +173,7 @@ cdef class SimDevice(Backend):
     cdef public object segment_alloc_hook              # callable(nbytes) or None, see the class doc
     cdef public unsigned int latency_us                # driver-call delay, see the class doc
     # Injected failures (fail_next): operation -> [calls to let through, calls to fail, CUresult].
-    cdef dict _failures
+    cdef object _failures                              # InjectedFailures (pyalloc._faults)
     cdef int _armed                                    # len(_failures): one test on each call
 
     def __init__(self, size_t total_memory=80 * GiB, *, int device=0, base_address=None,
@@ -193,7 +193,7 @@ cdef class SimDevice(Backend):
         self._st = Streams(device, check_reuse)
         self._st.any_handle = any_stream
         self._cap = Captures(self._st)
-        self._failures = {}
+        self._failures = InjectedFailures("SimDevice", _DRIVER_CALLS, _RESULT_NAMES)
         self._armed = 0
         self.counters = dict.fromkeys(
             ("segment_alloc", "segment_free", "memory_info", "event_create", "event_record",
@@ -238,37 +238,20 @@ cdef class SimDevice(Backend):
         its driver call ("cuMemAlloc", as tests/fake_libcuda.c's fake_fail_next takes). count 0
         disarms. Each failure adds 1 to counters["injected_failures"] (and the call's own
         counter counts it, as a call made)."""
-        op = call if call in _DRIVER_CALLS else _OPERATION_OF.get(call)
-        if op is None:
-            raise ValueError(f"SimDevice.fail_next: unknown call {call!r}; one of "
-                             f"{', '.join(sorted(_DRIVER_CALLS))} or their driver calls")
-        if count < 0 or skip < 0:
-            raise ValueError(f"SimDevice.fail_next: count and skip must be >= 0, got {count}, {skip}")
-        if count == 0:
-            self._failures.pop(op, None)
-        else:
-            self._failures[op] = [skip, count, result]
-        self._armed = len(self._failures)
+        self._failures.arm(call, count, skip, result)
+        self._armed = len(self._failures.armed)
 
     def armed_failures(self):
         """{operation: (calls let through first, calls that will fail)} still armed."""
-        return {op: (f[0], f[1]) for op, f in self._failures.items()}
+        return {op: (f[0], f[1]) for op, f in self._failures.armed.items()}
 
     cdef int _inject(self, str op) except -1:
-        f = self._failures.get(op)
-        if f is None:
+        error = self._failures.take(op)
+        if error is None:
             return 0
-        if f[0] > 0:
-            f[0] -= 1
-            return 0
-        f[1] -= 1
-        if f[1] == 0:
-            del self._failures[op]
-            self._armed = len(self._failures)
+        self._armed = len(self._failures.armed)
         self.counters["injected_failures"] += 1
-        call = _DRIVER_CALLS[op]
-        raise CudaError(call, f[2], _RESULT_NAMES.get(f[2], ""),
-                        f"SimDevice: injected failure of {op} (fail_next)")
+        raise error
 
     # ---------------------------------------------------------------- memory (_sim_memory)
 

@@ -27,6 +27,7 @@ from cython.operator cimport dereference as deref, preincrement as inc
 from pyalloc._backend cimport Backend
 from pyalloc._host_backend cimport HostBackend
 from pyalloc.errors import CudaError, ReuseError
+from pyalloc._faults import InjectedFailures
 
 cdef uintptr_t HOST_BASE = 0x500000000000
 cdef uintptr_t HOST_RANGE = 1 << 40
@@ -40,7 +41,6 @@ _HOST_CALLS = {
     "host_mfree": "free", "touch_pages": "touch_pages", "host_register": "cuMemHostRegister",
     "host_unregister": "cuMemHostUnregister",
 }
-_HOST_OPERATION_OF = {call: op for op, call in _HOST_CALLS.items()}
 _RESULT_NAMES = {1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY",
                  712: "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
                  713: "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", 999: "CUDA_ERROR_UNKNOWN"}
@@ -65,7 +65,7 @@ cdef class SimHost(HostBackend):
     cdef readonly size_t used_memory
     cdef public dict counters
     cdef public list touches
-    cdef dict _failures                        # operation -> [calls let through, calls to fail, CUresult]
+    cdef object _failures                      # InjectedFailures (pyalloc._faults)
 
     def __init__(self, Backend device not None, size_t total_memory=HOST_RANGE):
         global _next_slot
@@ -81,7 +81,7 @@ cdef class SimHost(HostBackend):
         self.used_memory = 0
         self.counters = dict.fromkeys(_HOST_CALLS, 0)
         self.touches = []
-        self._failures = {}
+        self._failures = InjectedFailures("SimHost", _HOST_CALLS, _RESULT_NAMES)
 
     def __repr__(self):
         return (f"SimHost(total_memory={self.total_memory}, used_memory={self.used_memory}, "
@@ -93,30 +93,14 @@ cdef class SimHost(HostBackend):
         """Make operation `call` ("host_alloc", ... or its call name, "cuMemHostAlloc", ...) fail:
         after `skip` calls that succeed, the next `count` raise CudaError(`result`, default 999)
         before doing anything. count 0 disarms."""
-        op = call if call in _HOST_CALLS else _HOST_OPERATION_OF.get(call)
-        if op is None:
-            raise ValueError(f"SimHost.fail_next: unknown call {call!r}; one of "
-                             f"{', '.join(sorted(_HOST_CALLS))} or their driver calls")
-        if count < 0 or skip < 0:
-            raise ValueError(f"SimHost.fail_next: count and skip must be >= 0, got {count}, {skip}")
-        if count == 0:
-            self._failures.pop(op, None)
-        else:
-            self._failures[op] = [skip, count, result]
+        self._failures.arm(call, count, skip, result)
 
     cdef int _enter(self, str op) except -1:
         self.counters[op] += 1
-        f = self._failures.get(op) if self._failures else None
-        if f is None:
-            return 0
-        if f[0] > 0:
-            f[0] -= 1
-            return 0
-        f[1] -= 1
-        if f[1] == 0:
-            del self._failures[op]
-        raise CudaError(_HOST_CALLS[op], f[2], _RESULT_NAMES.get(f[2], ""),
-                        f"SimHost: injected failure of {op} (fail_next)")
+        error = self._failures.take(op) if self._failures.armed else None
+        if error is not None:
+            raise error
+        return 0
 
     # ------------------------------------------------------------------ the address range
 
