@@ -39,9 +39,10 @@ from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref
 
 from pyalloc._backend cimport Backend, BACKEND_OK, BACKEND_OOM
-from pyalloc._cuda_calls cimport (raise_error, check, check_in_context, _MemoryCall, _Relaxed,
-                                  _MemoryArgs, _Pages, _pages, _mem_alloc, _mem_free, _mem_get_info,
-                                  _address_reserve, _address_free, _map_pages, _unmap_pages)
+from pyalloc._cuda_calls cimport (raise_error, check, check_in_context, check_relaxed, _MemoryCall,
+                                  _Relaxed, _MemoryArgs, _Pages, _pages, _mem_alloc, _mem_free,
+                                  _mem_get_info, _address_reserve, _address_free, _map_pages,
+                                  _unmap_pages)
 from pyalloc._cuda_calls import error_name
 from pyalloc.errors import NoCudaDriverError
 
@@ -313,11 +314,7 @@ cdef class CudaDevice(Backend):
         args.ptr = <cydriver.CUdeviceptr>ptr
         cdef _Relaxed r
         self._relaxed_call(_mem_free, &args, &r, True)
-        check(r.enter, "cuCtxSetCurrent")
-        check(r.relax, "cuThreadExchangeStreamCaptureMode")
-        check(r.call, "cuMemFree")
-        check(r.restore, "cuThreadExchangeStreamCaptureMode")
-        check(r.leave, "cuCtxSetCurrent")
+        check_relaxed(&r, "cuMemFree")
         self.live_segments -= 1
         self.live_bytes -= nbytes
         return BACKEND_OK
@@ -331,11 +328,7 @@ cdef class CudaDevice(Backend):
         args.total_bytes = total_bytes
         cdef _Relaxed r
         self._relaxed_call(_mem_get_info, &args, &r, True)
-        check(r.enter, "cuCtxSetCurrent")
-        check(r.relax, "cuThreadExchangeStreamCaptureMode")
-        check(r.call, "cuMemGetInfo")
-        check(r.restore, "cuThreadExchangeStreamCaptureMode")
-        check(r.leave, "cuCtxSetCurrent")
+        check_relaxed(&r, "cuMemGetInfo")
         return BACKEND_OK
 
     def mem_get_info(self):

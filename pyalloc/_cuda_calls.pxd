@@ -63,6 +63,17 @@ cdef struct _Relaxed:
     cydriver.CUresult leave     # the caller's context back (made whenever enter worked)
 
 
+cdef inline int check_relaxed(_Relaxed* r, str call) except -1:
+    """The steps of one relaxed call checked in the order they ran (context, mode, `call`, mode
+    back, context back): for callers with nothing to record between them."""
+    check(r.enter, "cuCtxSetCurrent")
+    check(r.relax, "cuThreadExchangeStreamCaptureMode")
+    check(r.call, call)
+    check(r.restore, "cuThreadExchangeStreamCaptureMode")
+    check(r.leave, "cuCtxSetCurrent")
+    return 0
+
+
 cdef struct _MemoryArgs:
     # The arguments of one single-call _MemoryCall.
     cydriver.CUdeviceptr ptr    # the address: given (free, address free) or received (alloc, reserve)

@@ -74,21 +74,25 @@ def test_blocks_are_never_split(host):
 
 # ------------------------------------------------------------------ the event rule
 
-def test_a_block_with_a_recorded_stream_is_not_reused_while_its_copy_is_queued(dev, host):
+def freed_behind_a_queued_copy(dev, host, record=True):
+    """(stream, pointer) of a 4 KiB block freed while a copy that uses it is queued on a new
+    stream, with record_event(p, stream) before the free unless `record` is False."""
     s = dev.create_stream()
     p = host.malloc(4096)
     host.host.copy(s, p, 4096)
-    host.record_event(p, s)
+    if record:
+        host.record_event(p, s)
     host.free(p)
+    return s, p
+
+
+def test_a_block_with_a_recorded_stream_is_not_reused_while_its_copy_is_queued(dev, host):
+    s, p = freed_behind_a_queued_copy(dev, host)
     assert host.malloc(4096) != p
 
 
 def test_a_recorded_block_is_reused_once_its_stream_passed_the_free(dev, host):
-    s = dev.create_stream()
-    p = host.malloc(4096)
-    host.host.copy(s, p, 4096)
-    host.record_event(p, s)
-    host.free(p)
+    s, p = freed_behind_a_queued_copy(dev, host)
     dev.complete(s)
     assert host.malloc(4096) == p
 
@@ -106,28 +110,18 @@ def test_a_block_recorded_on_two_streams_waits_for_both(dev, host):
 
 
 def test_a_freed_block_waiting_for_events_is_pending(dev, host):
-    s = dev.create_stream()
-    p = host.malloc(4096)
-    host.host.copy(s, p, 4096)
-    host.record_event(p, s)
-    host.free(p)
+    s, p = freed_behind_a_queued_copy(dev, host)
     assert blocks_in(host, "pending") == [(p, 4096, "pending")]
 
 
 def test_without_record_event_the_sanitizer_catches_reuse_during_a_queued_copy(dev, host):
-    s = dev.create_stream()
-    p = host.malloc(4096)
-    host.host.copy(s, p, 4096)
-    host.free(p)
+    s, p = freed_behind_a_queued_copy(dev, host, record=False)
     with pytest.raises(pyalloc.ReuseError):
         host.malloc(4096)
 
 
 def test_the_sanitizer_refusal_leaves_the_block_in_its_free_list(dev, host):
-    s = dev.create_stream()
-    p = host.malloc(4096)
-    host.host.copy(s, p, 4096)
-    host.free(p)
+    s, p = freed_behind_a_queued_copy(dev, host, record=False)
     with pytest.raises(pyalloc.ReuseError):
         host.malloc(4096)
     assert host.free_list_sizes() == {4096: 1}
@@ -179,11 +173,7 @@ def test_empty_cache_keeps_blocks_in_use(host):
 
 
 def test_empty_cache_keeps_blocks_waiting_for_events(dev, host):
-    s = dev.create_stream()
-    p = host.malloc(4096)
-    host.host.copy(s, p, 4096)
-    host.record_event(p, s)
-    host.free(p)
+    s, p = freed_behind_a_queued_copy(dev, host)
     host.empty_cache()
     assert host.block_list() == [(p, 4096, "pending")]
 
