@@ -9,6 +9,14 @@ import pyalloc
 from pyalloc import defaults
 
 
+@pytest.fixture(autouse=True)
+def report_width_default(monkeypatch):
+    """Every test sees the command line's default report width (100 columns) unless it sets
+    COLUMNS itself: pytest-xdist's workers export COLUMNS=80 (a plain run exports none), which
+    would rewrap the reports whose lines the CLI tests look for."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture
 def sim_defaults():
     """The default allocators on 64 MiB simulated devices for the test (the device-0 one is
