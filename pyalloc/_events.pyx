@@ -17,6 +17,7 @@ from cpython.dict cimport PyDict_Next, PyDict_GetItem
 
 from pyalloc._types cimport Block, ExpandableSegment
 from pyalloc._state cimport commit_sync_all
+from pyalloc._expandable cimport destroy_mark_events
 from pyalloc._device cimport (DeviceState, EventEntry, EventQueues, backend_of, lock_device,
                               forget_stream_uses, free_completed, stream_use_state, add_stream_use,
                               make_room_for_use, USE_KNOWN, USE_NEEDS_MEMORY)
@@ -111,6 +112,7 @@ cdef int destroy_events(DeviceState* a, bint outstanding) except -1:
             a.foreign_event_devices.erase(event)
             backend_of(a).event_destroy(event)
         pool = a.foreign_event_pools.erase(pool)
+    destroy_mark_events(&a.st, backend_of(a), outstanding)
     return 0
 
 

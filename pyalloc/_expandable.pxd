@@ -16,6 +16,7 @@ cdef size_t page_pool_bytes(CoreState* st) noexcept nogil
 cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1
 cdef size_t mapped_bytes(CoreState* st, BlockPool* pool, uintptr_t stream) noexcept
 cdef void free_segment_structs(CoreState* st) noexcept
+cdef int destroy_mark_events(CoreState* st, Backend backend, bint outstanding) except -1
 
 
 cdef inline size_t whole_pages(Block* b, uintptr_t* first, uintptr_t* last) noexcept nogil:

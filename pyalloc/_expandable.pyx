@@ -19,10 +19,12 @@ while a capture is under way (may_unmap false): a captured graph keeps using the
 its blocks, and cuMemUnmap synchronizes, which a capture forbids.
 """
 from libcpp.vector cimport vector
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uintptr_t, uint64_t
+from libcpp.unordered_map cimport unordered_map
 from cython.operator cimport dereference as deref, preincrement as inc, predecrement as dec
 
-from pyalloc._types cimport Block, BlockPool, BlockSet, CoreState, ExpandableSegment, UnmappedSet
+from pyalloc._types cimport (Block, BlockPool, BlockSet, CoreState, EpochMark, ExpandableSegment,
+                             UnmappedSet)
 from pyalloc._policy cimport (is_free, new_block, retire_block, absorb_neighbour, pool_insert,
                               reservation_size, kSmallBuffer, kLargeBuffer)
 from pyalloc._state cimport commit_map, commit_unmap, commit_page_pool, commit_page_pool_release
@@ -197,6 +199,93 @@ cdef size_t recyclable_pages(CoreState* st, BlockPool* pool, uintptr_t stream, s
     return total
 
 
+# ------------------------------------------------------------- when pages may be unmapped at once
+#
+# A growth under recycle_pages records an event (an EpochMark) on its stream. Once the event has
+# completed, the work queued on that stream before it is over, so the pages of the stream's free
+# blocks stamped (Block.free_epoch, at their return to the pool) before the mark can be unmapped
+# without waiting. A training loop's growths thus take pages that the previous iteration freed
+# while the device still runs the current one.
+
+cdef enum:
+    kMarksPerStream = 4     # outstanding marks kept per stream (a stream far behind gets no more)
+
+
+cdef int record_mark(CoreState* st, Backend backend, uintptr_t stream) except -1:
+    """Record an epoch mark on `stream` (a live allocation stream: the growth's own), unless it
+    has kMarksPerStream outstanding. A failing driver call leaves the marks as they were."""
+    cdef size_t outstanding = 0
+    for i in range(st.epoch_marks.size()):
+        outstanding += st.epoch_marks[i].stream == stream
+    if outstanding >= kMarksPerStream:
+        return 0
+    cdef uintptr_t event = 0
+    if st.spare_mark_events.empty():
+        backend.event_create(&event)
+        st.spare_mark_events.push_back(event)
+    event = st.spare_mark_events.back()
+    backend.event_record(event, stream)
+    st.spare_mark_events.pop_back()
+    st.free_epoch += 1
+    st.epoch_marks.push_back(EpochMark(stream, event, st.free_epoch))
+    return 0
+
+
+cdef int poll_marks(CoreState* st, Backend backend) except -1:
+    """Query the outstanding marks; a completed one raises its stream's completed_epoch and its
+    event becomes spare. All queries come first, so a failing one changes nothing."""
+    cdef vector[char] done
+    cdef size_t i, kept = 0
+    cdef EpochMark m
+    for i in range(st.epoch_marks.size()):
+        done.push_back(backend.event_query(st.epoch_marks[i].event) == 1)
+    for i in range(st.epoch_marks.size()):
+        m = st.epoch_marks[i]
+        if done[i]:
+            if st.completed_epoch[m.stream] < m.epoch:
+                st.completed_epoch[m.stream] = m.epoch
+            st.spare_mark_events.push_back(m.event)
+        else:
+            st.epoch_marks[kept] = m
+            kept += 1
+    st.epoch_marks.resize(kept)
+    return 0
+
+
+cdef bint unmap_is_safe(CoreState* st, Block* b) noexcept:
+    """No work queued before free block `b` returned to its pool can still use its pages: it was
+    never used, or the device was synchronized since, or a mark recorded on its stream since has
+    completed."""
+    if b.free_epoch == 0 or b.free_epoch < st.synced_epoch:
+        return True
+    cdef unordered_map[uintptr_t, uint64_t].iterator it = st.completed_epoch.find(b.stream)
+    return it != st.completed_epoch.end() and b.free_epoch < deref(it).second
+
+
+cdef int synchronize_for_unmap(CoreState* st, Backend backend) except -1:
+    """Wait for the device before unmapping pages whose work may not be over; every block freed
+    until now is then safe to unmap."""
+    backend.device_synchronize()
+    st.free_epoch += 1
+    st.synced_epoch = st.free_epoch
+    return 0
+
+
+cdef int destroy_mark_events(CoreState* st, Backend backend, bint outstanding) except -1:
+    """Destroy the spare mark events and, with `outstanding` (teardown), the outstanding marks'."""
+    cdef uintptr_t event
+    if outstanding:
+        while not st.epoch_marks.empty():
+            event = st.epoch_marks.back().event
+            st.epoch_marks.pop_back()
+            backend.event_destroy(event)
+    while not st.spare_mark_events.empty():
+        event = st.spare_mark_events.back()
+        st.spare_mark_events.pop_back()
+        backend.event_destroy(event)
+    return 0
+
+
 cdef struct Taken:
     ExpandableSegment* seg      # pages [lo, hi) of seg went to the page pool
     uintptr_t lo
@@ -208,6 +297,8 @@ cdef int recycle_for_growth(CoreState* st, Backend backend, BlockPool* pool, uin
     """recycle_pages: before a growth for `size` bytes on `stream` maps pages, unmap into the page
     pool as many whole free pages as it needs beyond what the pool holds; each range unmapped is
     appended to *taken (as soon as it is: a failure later in the growth puts them back)."""
+    # Every growth marks its stream, so that a later one knows which frees the device is past.
+    record_mark(st, backend, stream)
     cdef Block* run = existing_run(pool, stream, size)
     cdef size_t need = run_growth(st, pool, stream, size, run)
     cdef size_t have = page_pool_bytes(st)
@@ -216,12 +307,27 @@ cdef int recycle_for_growth(CoreState* st, Backend backend, BlockPool* pool, uin
     cdef vector[Block*] victims
     if recyclable_pages(st, pool, stream, size, run, &victims) == 0:
         return 0
-    # Work queued before the frees may still use these pages (see unmap_block).
-    backend.device_synchronize()
     cdef size_t want = need - have, take
     cdef uintptr_t first, last
     cdef Block* b
     cdef ExpandableSegment* seg
+    # cuMemUnmap does not wait for the device: work queued before a block's free may still use
+    # its pages, and would fault. When the blocks whose work is known to be over give enough
+    # pages, only they give them, and nothing waits; otherwise the device is synchronized and
+    # every free block may give (largest first, as always).
+    poll_marks(st, backend)
+    cdef vector[Block*] ready
+    cdef size_t ready_bytes = 0
+    for b in victims:
+        if unmap_is_safe(st, b):
+            ready.push_back(b)
+            ready_bytes += whole_pages(b, &first, &last)
+    if ready.size() == victims.size():
+        pass                            # nothing to wait for
+    elif ready_bytes >= want:
+        victims.swap(ready)
+    else:
+        synchronize_for_unmap(st, backend)
     for b in victims:
         if want == 0:
             break
@@ -469,6 +575,7 @@ cdef void split_off_mapped(CoreState* st, Block* b, uintptr_t ptr, size_t size, 
     cdef Block* piece = new_block(st, b.stream, size, b.pool, ptr)
     piece.expandable = True
     piece.segment = b.segment
+    piece.free_epoch = b.free_epoch
     if before:
         piece.prev = b.prev
         piece.next = b
@@ -493,7 +600,7 @@ cdef int unmap_block(CoreState* st, Backend backend, Block* b) except -1:
     # Work queued before the free may still use these pages. PyTorch synchronizes only the
     # segment's stream; pyalloc waits for the device, because CuPy destroys a stream when its
     # object is collected, and synchronizing a destroyed stream handle is undefined.
-    backend.device_synchronize()
+    synchronize_for_unmap(st, backend)
     return unmap_range(st, backend, b, first, last, False)
 
 

@@ -248,6 +248,8 @@ cdef inline void absorb_neighbour(Block* dst, Block* src) noexcept nogil:
         if dst.next != NULL:
             dst.next.prev = dst
     dst.size += src.size
+    if src.free_epoch > dst.free_epoch:
+        dst.free_epoch = src.free_epoch    # the range's uses end with the later of the two
 
 
 cdef inline Block* take_block(CoreState* st, Block* b, bint in_pool, size_t size) noexcept nogil:
@@ -343,6 +345,7 @@ cdef inline Block* merge_free_block(CoreState* st, Block* b) noexcept nogil:
         merged.gc_count_base = pool.get_free_blocks_call_count
         pool.blocks.reposition_larger(merged)
         gc_track(pool, merged)      # the neighbours were split, so none of them was listed
+    merged.free_epoch = st.free_epoch      # b's uses are the range's latest
     if merged.is_split():
         split_blocks_delta += 1
         split_bytes_delta += <int64_t>merged.size

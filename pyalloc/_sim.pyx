@@ -373,11 +373,15 @@ cdef class SimDevice(Backend):
 
     cdef int vm_unmap(self, uintptr_t addr, size_t nbytes, size_t page_size) except -1:
         self._enter_memory("vm_unmap")
+        if self.checks_reuse:
+            self._st.check_unmap(addr, nbytes)
         return self._mem.unmap(addr, nbytes)
 
     cdef int vm_unmap_keep(self, uintptr_t addr, size_t page, size_t count, uintptr_t* handles) except -1:
         self._enter_memory("vm_unmap_keep")
         self._check_page(page)
+        if self.checks_reuse:
+            self._st.check_unmap(addr, count * page)
         return self._mem.unmap_keep(addr, count, handles)
 
     cdef int vm_map_handles(self, uintptr_t addr, size_t page, size_t count,

@@ -87,4 +87,5 @@ cdef class Streams:
     cdef int check_uses(self, uintptr_t ptr, size_t nbytes, uintptr_t stream) except -1
     cdef int reuse_error(self, uintptr_t ptr, size_t nbytes, uintptr_t stream, uintptr_t x,
                          uint64_t position, start, stop, tuple op) except -1
+    cdef int check_unmap(self, uintptr_t addr, size_t nbytes) except -1
     cdef list pending_uses(self)

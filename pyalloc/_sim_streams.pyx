@@ -441,6 +441,21 @@ cdef class Streams:
             f"of stream {stream} orders that work before stream {stream}'s next work",
             ptr=ptr, nbytes=nbytes, stream=stream, use_stream=op[2], operation=what)
 
+    cdef int check_unmap(self, uintptr_t addr, size_t nbytes) except -1:
+        """The reuse sanitizer's check of an unmap: ReuseError when queued work on any stream
+        (its own included: the unmap is not stream-ordered) still uses [addr, addr + nbytes);
+        on a GPU that work would fault."""
+        cdef uintptr_t end = addr + nbytes
+        for x, position, spans, what in self.pending_uses():
+            for start, stop in spans:
+                if start < end and addr < stop:
+                    raise ReuseError(
+                        f"SimDevice reuse check: [{addr:#x}, {end:#x}) unmapped while {what} still "
+                        f"uses [{start:#x}, {stop:#x}) (stream {x} has completed "
+                        f"{self.state(x).completed} of its items and this use ends at item {position})",
+                        ptr=addr, nbytes=nbytes, stream=x, use_stream=x, operation=what)
+        return 0
+
     cdef list pending_uses(self):
         """SimDevice.pending_uses: (stream, end item, [(start, end)], what queued it)."""
         out = []

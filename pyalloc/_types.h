@@ -119,6 +119,10 @@ struct alignas(64) Block {
     uintptr_t py_address_value = 0;  // malloc() returns it again while ptr still equals it
     Block* gc_prev = nullptr;      // neighbours in the pool's candidates, by gc_count_base
     Block* gc_next = nullptr;
+    // CoreState::free_epoch when the block (or the last of the blocks merged into it) returned to
+    // its pool: recycle_pages may unmap its pages without synchronizing the device once the work
+    // queued on its stream before that is known to be over (0: never used, a fresh mapping).
+    uint64_t free_epoch = 0;
     // stream_uses as a set, kept once the block has kUseIndexMin uses, so that asking whether it
     // uses a stream costs the same with 10,000 uses as with 8 (built by index_use, dropped with
     // drop_use_index wherever stream_uses is emptied).
@@ -689,6 +693,15 @@ struct TraceRing {
     }
 };
 
+// recycle_pages: an event recorded on an allocation stream when a growth looked for pages to take
+// (_expandable.pyx). Once it has completed, the work queued on `stream` before it is over, and
+// with it every use of the blocks of that stream stamped with a free_epoch below `epoch`.
+struct EpochMark {
+    uintptr_t stream;
+    uintptr_t event;
+    uint64_t epoch;
+};
+
 // What one device allocator records and counts, apart from its pools and events: the state that
 // the commit steps (_state.pxd) and the slow-path modules (expandable segments) update.
 struct CoreState {
@@ -716,6 +729,14 @@ struct CoreState {
     // and the pages mapped again from them since construction.
     std::vector<uintptr_t> free_pages[2];
     int64_t page_remaps = 0;
+    // recycle_pages: when a free block's pages may be unmapped without synchronizing the device
+    // (Block::free_epoch). Blocks stamped below synced_epoch: the device was synchronized since;
+    // below completed_epoch[their stream]: an EpochMark recorded on it after them has completed.
+    uint64_t free_epoch = 1;
+    uint64_t synced_epoch = 0;
+    std::vector<EpochMark> epoch_marks;        // outstanding, oldest first
+    std::vector<uintptr_t> spare_mark_events;  // created, idle events for the next marks
+    std::unordered_map<uintptr_t, uint64_t> completed_epoch;
     TraceRing history;
 
     CoreState() = default;

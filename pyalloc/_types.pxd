@@ -10,6 +10,11 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
     cdef cppclass BlockPool
     cdef cppclass PrivatePool
 
+    cdef struct EpochMark:
+        uintptr_t stream
+        uintptr_t event
+        uint64_t epoch
+
     cdef struct ExpandableSegment:
         uintptr_t base
         size_t size
@@ -42,6 +47,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         bint gc_listed
         Block* gc_prev
         Block* gc_next
+        uint64_t free_epoch
         unordered_set[uintptr_t]* use_index
         bint is_split()
         bint uses_stream(uintptr_t)
@@ -250,6 +256,11 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         vector[ExpandableSegment*] expandable_segments
         vector[uintptr_t] free_pages[2]
         int64_t page_remaps
+        uint64_t free_epoch
+        uint64_t synced_epoch
+        vector[EpochMark] epoch_marks
+        vector[uintptr_t] spare_mark_events
+        unordered_map[uintptr_t, uint64_t] completed_epoch
         TraceRing history
         bint history_on
         uint32_t skip_actions_mask
