@@ -243,6 +243,10 @@ cdef int reap_dropped_streams(DeviceState* a, object pins_lock, dict objects, di
                     return_event(a, deref(it).second)
                     a.retiring_streams.erase(it)
                     a.allocation_streams_kept.erase(h)
+                    # recycle_pages: the stream's blocks' work is over, and the stream goes.
+                    a.st.free_epoch += 1
+                    a.st.completed_epoch[h] = a.st.free_epoch
+                    a.st.destroyed_streams.insert(h)
                     finished.push_back(h)
         finally:
             a.mutex.unlock()
@@ -469,6 +473,7 @@ cdef int keep_allocation_stream(DeviceState* a, object pins_lock, dict objects, 
     kept = a.allocation_streams_kept.count(stream) != 0
     if not kept:
         a.allocation_streams_kept.insert(stream)
+        a.st.destroyed_streams.erase(stream)     # the handle names a live stream again
     a.mutex.unlock()
     if not kept:
         with pins_lock:

@@ -737,6 +737,10 @@ struct CoreState {
     std::vector<EpochMark> epoch_marks;        // outstanding, oldest first
     std::vector<uintptr_t> spare_mark_events;  // created, idle events for the next marks
     std::unordered_map<uintptr_t, uint64_t> completed_epoch;
+    // Handles of the streams reap_dropped_streams destroyed, until a stream object with the handle
+    // is kept again: no mark may be recorded on them (an event recorded on a destroyed stream is
+    // undefined behaviour), and the work of their blocks is over.
+    std::unordered_set<uintptr_t> destroyed_streams;
     TraceRing history;
 
     CoreState() = default;

@@ -261,6 +261,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         vector[EpochMark] epoch_marks
         vector[uintptr_t] spare_mark_events
         unordered_map[uintptr_t, uint64_t] completed_epoch
+        unordered_set[uintptr_t] destroyed_streams
         TraceRing history
         bint history_on
         uint32_t skip_actions_mask

@@ -170,9 +170,14 @@ def test_a_private_pools_free_pages_are_not_taken():
 # before a block's free must be over before its pages go. With SimDevice(check_reuse=True) an
 # unmap of pages that queued work uses raises ReuseError.
 
-def checked(config=POLICY):
-    sim = SimDevice(GiB, check_reuse=True)
+def checked(config=POLICY, total=GiB):
+    sim = SimDevice(total, check_reuse=True)
     return CachingAllocator(backend=sim, config=config), sim
+
+
+# A device on which the pages of a 30 MiB hole must be taken for a 40 MiB growth: 30 + 4 + 40 MiB
+# would not fit, 44 MiB does.
+TIGHT = 64 * MiB
 
 
 def freed_hole(a, sim, work=True):
@@ -204,8 +209,26 @@ def test_sim_an_unmap_after_the_work_completed_is_no_error():
     assert len(sim.unmap_keeping_pages(base, 1)) == 1
 
 
-def test_a_growth_that_takes_pages_queued_work_uses_waits_for_the_device():
+def test_a_growth_creates_memory_rather_than_wait_for_queued_work_when_it_fits():
     a, sim = checked()
+    freed_hole(a, sim)
+    before = sim.counters["device_synchronize"]
+    a.malloc(40 * MiB)
+    assert (sim.counters["device_synchronize"], sim.pending(0)) == (before, 1)
+    assert sim.used_memory == 74 * MiB and a.memory_stats()["num_page_remaps"] == 0
+
+
+def test_a_growth_waits_for_queued_work_when_the_device_has_not_the_memory_to_create():
+    a, sim = checked(total=TIGHT)
+    freed_hole(a, sim)
+    before = sim.counters["device_synchronize"]
+    a.malloc(40 * MiB)
+    assert sim.counters["device_synchronize"] == before + 1 and sim.used_memory == 44 * MiB
+
+
+def test_a_growth_waits_for_queued_work_when_creating_would_pass_the_memory_fraction():
+    a, sim = checked()
+    a.set_memory_fraction(60 * MiB / GiB)
     freed_hole(a, sim)
     before = sim.counters["device_synchronize"]
     a.malloc(40 * MiB)
@@ -213,12 +236,30 @@ def test_a_growth_that_takes_pages_queued_work_uses_waits_for_the_device():
 
 
 def test_a_growth_that_takes_pages_of_finished_work_does_not_wait():
-    a, sim = checked()
+    a, sim = checked(total=TIGHT)
     freed_hole(a, sim)
     sim.complete(0)
     before = sim.counters["device_synchronize"]
     a.malloc(40 * MiB)
     assert sim.counters["device_synchronize"] == before and sim.used_memory == 44 * MiB
+
+
+def test_a_growth_takes_only_pages_of_finished_work_when_creating_the_rest_fits():
+    # x1's stream is idle, x2's work is queued: the 40 MiB growth on the default stream takes
+    # x1's 15 pages, creates the rest, and leaves x2's pages, which queued work still uses.
+    a, sim = checked()
+    s = sim.create_stream()
+    x1 = a.malloc(30 * MiB, s)
+    a.malloc(4 * MiB, s)
+    x2 = a.malloc(10 * MiB)
+    a.malloc(4 * MiB)
+    sim.launch(0, uses=[(x2, 10 * MiB)])
+    a.free(x1)
+    a.free(x2)
+    before = sim.counters["device_synchronize"]
+    a.malloc(40 * MiB)
+    assert (sim.counters["device_synchronize"], sim.pending(0)) == (before, 1)
+    assert a.memory_stats()["num_page_remaps"] == 15
 
 
 def two_holes_after_work(a, sim):
@@ -237,7 +278,7 @@ def two_holes_after_work(a, sim):
 def test_a_growth_takes_pages_freed_before_a_mark_the_device_passed_while_later_work_runs():
     # The first growth marks the stream, which is idle; work queued after it is still pending at
     # the second growth, which takes the pages left of a block freed before the mark, no wait.
-    a, sim = checked()
+    a, sim = checked(total=96 * MiB)
     x1, x2 = two_holes_after_work(a, sim)
     sim.complete(0)
     a.malloc(32 * MiB)                # 15 pages of x1 and one of x2
@@ -249,7 +290,9 @@ def test_a_growth_takes_pages_freed_before_a_mark_the_device_passed_while_later_
 
 
 def test_after_a_wait_a_growth_takes_pages_freed_before_it_without_another():
-    a, sim = checked()
+    # 76 MiB: the first growth cannot create its 32 MiB beside the 48 MiB in use, and waits;
+    # the second takes x2's last 4 pages and creates 26 MiB, which fits.
+    a, sim = checked(total=76 * MiB)
     two_holes_after_work(a, sim)
     a.malloc(32 * MiB)                # waits: the work of both is queued
     sim.launch(0)
@@ -259,14 +302,14 @@ def test_after_a_wait_a_growth_takes_pages_freed_before_it_without_another():
 
 
 def test_a_growth_waits_for_blocks_freed_after_the_device_last_got_past_a_mark():
-    a, sim = checked()
+    a, sim = checked(total=80 * MiB)
     freed_hole(a, sim, work=False)
     sim.launch(0)                     # queued before the growth's mark: the mark is not reached
     b = a.malloc(8 * MiB)
     sim.launch(0, uses=[(b, 8 * MiB)])
     a.free(b)
     before = sim.counters["device_synchronize"]
-    a.malloc(60 * MiB)                # needs the pages of both free blocks
+    a.malloc(60 * MiB)                # needs the pages of both free blocks: 80 MiB is tight
     assert sim.counters["device_synchronize"] == before + 1
 
 
