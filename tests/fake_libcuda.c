@@ -186,14 +186,16 @@ static void log_entry(const char *entry) {
     log_len += n;
 }
 
-/* A record for a new stream: a never-used one, or a destroyed stream's whose work is over. */
+/* A record for a new stream: a never-used one, or a destroyed stream's whose work is over;
+ * NULL when every record holds a stream or a destroyed stream's unfinished work. */
 static struct stream *new_stream_record(uintptr_t h) {
     struct stream *s = NULL;
     for (int i = 0; i < n_streams && !s; i++)
         if (!streams[i].used || (streams[i].dead && streams[i].completed >= streams[i].launched &&
                                  streams[i].n_waits == 0))
             s = &streams[i];
-    if (!s) s = n_streams < MAX_STREAMS ? &streams[n_streams++] : &streams[MAX_STREAMS - 1];
+    if (!s && n_streams < MAX_STREAMS) s = &streams[n_streams++];
+    if (!s) return NULL;
     unsigned gen = s->gen + 1;
     memset(s, 0, sizeof *s);
     s->used = 1;
@@ -206,7 +208,8 @@ static struct stream *new_stream_record(uintptr_t h) {
 static struct stream *get_stream(uintptr_t h) {
     for (int i = 0; i < n_streams; i++)
         if (streams[i].used && !streams[i].dead && streams[i].handle == h) return &streams[i];
-    return new_stream_record(h);
+    struct stream *s = new_stream_record(h);
+    return s ? s : &streams[MAX_STREAMS - 1];    /* full: the callers take a record regardless */
 }
 
 /* Every stream in capture `id` (the one that began it and those that joined it). */
@@ -899,8 +902,10 @@ void fake_set_current(int dev) { current = (dev >= 0 && dev < MAX_DEVICES) ? &co
 CUresult cuStreamCreate(uintptr_t *stream, unsigned flags) {
     (void)flags;
     if (!current) return ERR_INVALID_CONTEXT;
-    uintptr_t h = n_free_handles ? free_handles[--n_free_handles] : next_stream_handle++;
+    uintptr_t h = n_free_handles ? free_handles[n_free_handles - 1] : next_stream_handle;
     struct stream *s = new_stream_record(h);
+    if (!s) return ERR_OUT_OF_MEMORY;
+    if (n_free_handles) n_free_handles--; else next_stream_handle++;
     s->device = current->device;
     *stream = h;
     return SUCCESS;
