@@ -136,9 +136,10 @@ class _StreamWork:
 
 
 class CudaTestDevice:
-    """SimDevice's test API (create_stream, launch, complete, pending, synchronize, segments) over
-    a CudaDevice; see the module doc. `backend` is the CudaDevice, `alloc` (set by the suite) the
-    allocator whose segments segments() reports."""
+    """SimDevice's test API (create_stream, destroy_stream, is_destroyed, launch, complete,
+    pending, synchronize, record_event, wait_event, stream_capture_info, node_parents,
+    mapped_memory, reservations, segments) over a CudaDevice; see the module doc. `backend` is
+    the CudaDevice, `alloc` (set by the suite) the allocator whose segments segments() reports."""
 
     watchdog_s = WATCHDOG_S      # seconds without a call before the watchdog completes all work
 
