@@ -2,11 +2,14 @@
 SimDevice everywhere and on the real GPU (CudaDevice) where one is present, as RMM runs one suite
 over every memory resource.
 
-On the GPU, CudaTestDevice gives the tests SimDevice's test API (create_stream, launch, complete,
-pending, synchronize, segments) over real streams: launch(stream, n) queues n units of work, each
-a cuStreamWaitValue32 on a flag in host-mapped memory, so the work stays pending until complete()
-(or the watchdog, see below) writes the flag. What the allocator does with pending work (events,
-reuse) is then what it does on a real device.
+On the GPU, CudaTestDevice gives the tests SimDevice's test API (create_stream, destroy_stream,
+launch, complete, pending, synchronize, record_event, wait_event, the capture queries, segments)
+over real streams: launch(stream, n) queues n units of work, each a cuStreamWaitValue32 on a flag
+in host-mapped memory, so the work stays pending until complete() (or the watchdog, see below)
+writes the flag. What the allocator does with pending work (events, reuse) is then what it does on
+a real device. While the stream captures, launch adds a real node to the captured graph instead:
+a one-byte cuMemsetD8Async on each block it uses (on a scratch word when it uses none), as
+SimDevice adds one kernel node that uses those blocks.
 
 The watchdog: SimDevice completes the awaited work when the allocator synchronizes an event or the
 device (it has no clock); a real GPU would wait forever for a flag only the blocked test thread
@@ -133,9 +136,10 @@ class _StreamWork:
 
 
 class CudaTestDevice:
-    """SimDevice's test API (create_stream, launch, complete, pending, synchronize, segments) over
-    a CudaDevice; see the module doc. `backend` is the CudaDevice, `alloc` (set by the suite) the
-    allocator whose segments segments() reports."""
+    """SimDevice's test API (create_stream, destroy_stream, is_destroyed, launch, complete,
+    pending, synchronize, record_event, wait_event, stream_capture_info, node_parents,
+    mapped_memory, reservations, segments) over a CudaDevice; see the module doc. `backend` is
+    the CudaDevice, `alloc` (set by the suite) the allocator whose segments segments() reports."""
 
     watchdog_s = WATCHDOG_S      # seconds without a call before the watchdog completes all work
 
@@ -147,7 +151,14 @@ class CudaTestDevice:
         self._ctx = _check(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         _check(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         self._work = {}               # stream handle -> _StreamWork
+        self._dead = []               # the _StreamWork of destroyed streams, closed by close()
         self._streams = []            # streams made by create_stream, destroyed by close()
+        self._destroyed = set()       # handles destroyed and not handed out again
+        self._events = []             # events made by record_event, destroyed by close()
+        self._closed = False
+        # The word a captured launch that uses no block writes (cuMemAlloc is refused during a
+        # global-mode capture, so it is made now); device memory, as a memset node needs.
+        self._scratch = _check(driver.cuMemAlloc(4), "cuMemAlloc")
         self._lock = threading.Lock()
         self._last_call = time.monotonic()
         self.watchdog_releases = 0
@@ -167,7 +178,7 @@ class CudaTestDevice:
                 continue
             with self._lock:
                 released = False
-                for work in self._work.values():
+                for work in list(self._work.values()) + self._dead:
                     if work.flag.value < work.launched:
                         work.flag.value = work.launched
                         released = True
@@ -183,7 +194,33 @@ class CudaTestDevice:
         stream = _check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
                         "cuStreamCreate")
         self._streams.append(stream)
+        self._destroyed.discard(int(stream))     # the driver may hand a destroyed handle out again
         return int(stream)
+
+    def destroy_stream(self, stream):
+        """cuStreamDestroy on a stream made by create_stream: returns at once, and the work queued
+        on it still runs (its flag is written by complete-all, synchronize or the watchdog, as
+        for a live stream). A handle this device did not make, or destroyed already (also by
+        close(), when a stream object outlives the test), is a ValueError: the driver's answer
+        to a dead handle is undefined, not an error."""
+        from cuda.bindings import driver
+        self._touch()
+        live = [s for s in self._streams if int(s) == stream]
+        if not live:
+            if self._closed:
+                return          # close() destroyed it: the object that owned it died later
+            raise ValueError(f"stream {stream:#x} was not made by this CudaTestDevice or was destroyed")
+        with self._lock:
+            work = self._work.pop(stream, None)
+            if work is not None:
+                self._dead.append(work)          # its units still run: kept for their flag
+        self._streams.remove(live[0])
+        _check(driver.cuStreamDestroy(live[0]), "cuStreamDestroy")
+        self._destroyed.add(stream)
+
+    def is_destroyed(self, stream):
+        """True when `stream` was destroyed and its handle not handed out again."""
+        return stream in self._destroyed
 
     def _work_of(self, stream):
         work = self._work.get(stream)
@@ -192,9 +229,17 @@ class CudaTestDevice:
         return work
 
     def launch(self, stream=0, count=1, uses=()):
-        """Queue `count` units of work on `stream`; returns the stream's queued total."""
+        """Queue `count` units of work on `stream`; returns the stream's queued total.
+
+        While `stream` captures, queues nothing: adds one node after the stream's terminals per
+        block in `uses` (an address, or (address, nbytes)), a cuMemsetD8Async of its first byte,
+        or one on a scratch word when `uses` is empty, and returns the handle of the last one
+        (the stream's terminal now, which depends on the others). `count` is then not used: a
+        memset node is one unit of work when the graph is launched."""
         from cuda.bindings import driver
         self._touch()
+        if self.backend.stream_capture_info(stream) is not None:
+            return self._launch_captured(stream, uses)
         with self._lock:
             work = self._work_of(stream)
             for _ in range(count):
@@ -206,6 +251,16 @@ class CudaTestDevice:
                        "cuStreamWaitValue32")
                 work.events.append(self._record(stream))
             return work.launched
+
+    def _launch_captured(self, stream, uses):
+        from cuda.bindings import driver
+        targets = [use[0] if isinstance(use, tuple) else use for use in uses] or [int(self._scratch)]
+        for address in targets:
+            _check(driver.cuMemsetD8Async(driver.CUdeviceptr(address), 0, 1, driver.CUstream(stream)),
+                   "cuMemsetD8Async")
+        _, terminals = self.backend.stream_capture_info(stream)
+        assert len(terminals) == 1, f"a captured memset left {len(terminals)} terminals on {stream:#x}"
+        return terminals[0]
 
     @staticmethod
     def _record(stream):
@@ -260,10 +315,45 @@ class CudaTestDevice:
         from cuda.bindings import driver
         self._touch()
         with self._lock:
-            for work in self._work.values():
+            for work in list(self._work.values()) + self._dead:
                 work.flag.value = max(work.flag.value, work.launched)
         _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
         self._touch()
+
+    def record_event(self, stream=0):
+        """A new event recorded on `stream` now (destroyed by close()); its handle."""
+        self._touch()
+        event = self.backend.record_event(stream)
+        self._events.append(event)
+        return event
+
+    def wait_event(self, stream, event):
+        """Work queued on `stream` from now on waits for `event` (cuStreamWaitEvent); in a
+        capture, a capture event joins `stream` to it or adds its nodes to the stream's terminals."""
+        from cuda.bindings import driver
+        self._touch()
+        _check(driver.cuStreamWaitEvent(driver.CUstream(stream), driver.CUevent(event), 0),
+               "cuStreamWaitEvent")
+
+    def stream_capture_info(self, stream):
+        """(capture id, [terminal nodes]) while `stream` captures, else None (the driver's)."""
+        self._touch()
+        return self.backend.stream_capture_info(stream)
+
+    def node_parents(self, node):
+        """The nodes a captured node depends on (cuGraphNodeGetDependencies)."""
+        self._touch()
+        return self.backend.node_parents(node)
+
+    @property
+    def mapped_memory(self):
+        """Bytes the allocator has mapped through the CudaDevice (expandable segments)."""
+        return self.backend.mapped_bytes
+
+    def reservations(self):
+        """One entry per address range the CudaDevice reserved and did not free (the driver has
+        no query; SimDevice lists the ranges themselves, so tests compare counts or [])."""
+        return [("reserved range", i) for i in range(self.backend.live_reservations)]
 
     def segments(self):
         """(address, bytes) of the allocator's live device segments, by address; checked against
@@ -293,12 +383,18 @@ class CudaTestDevice:
             leftover = self.alloc.memory_reserved()
         self._closing.set()
         self._watchdog.join()
-        for work in self._work.values():
+        for work in list(self._work.values()) + self._dead:
             work.close()
         self._work.clear()
+        self._dead.clear()
+        for event in self._events:
+            self.backend.destroy_event(event)
+        self._events.clear()
         for stream in self._streams:
             _check(driver.cuStreamDestroy(stream), "cuStreamDestroy")
         self._streams.clear()
+        self._closed = True
+        _check(driver.cuMemFree(self._scratch), "cuMemFree")
         _check(driver.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
         return leftover
 
@@ -321,7 +417,6 @@ class CudaPropertyDevice(CudaTestDevice):
 
     def __init__(self, backend):
         super().__init__(backend)
-        self._events = []
         self.cap = None          # the allocator's cap in bytes (cap_to)
         self.total = None        # bytes of the device this view stands for (the caller sets it)
 
@@ -341,13 +436,6 @@ class CudaPropertyDevice(CudaTestDevice):
     def used_memory(self):
         return self.backend.live_bytes + self.backend.mapped_bytes
 
-    @property
-    def mapped_memory(self):
-        return self.backend.mapped_bytes
-
-    def reservations(self):
-        return [("reserved range", i) for i in range(self.backend.live_reservations)]
-
     def is_mapped(self, addr, nbytes):
         from cuda.bindings import driver
         page = addr & ~(2 * MiB - 1)
@@ -358,22 +446,3 @@ class CudaPropertyDevice(CudaTestDevice):
             _check(driver.cuMemRelease(handle), "cuMemRelease")
             page += 2 * MiB
         return True
-
-    def record_event(self, stream=0):
-        self._touch()
-        event = self.backend.record_event(stream)
-        self._events.append(event)
-        return event
-
-    def wait_event(self, stream, event):
-        from cuda.bindings import driver
-        self._touch()
-        _check(driver.cuStreamWaitEvent(driver.CUstream(stream), driver.CUevent(event), 0),
-               "cuStreamWaitEvent")
-
-    def close(self):
-        leftover = super().close()
-        for event in self._events:
-            self.backend.destroy_event(event)
-        self._events.clear()
-        return leftover

@@ -762,6 +762,112 @@ def capture_error_names_are_readable():
     return {code: list(_cuda.error_name(code)) for code in (900, 901, 906, 907, 908)}
 
 
+def wait_event(stream, event):
+    """cuStreamWaitEvent through the fake itself (CudaDevice makes no such call)."""
+    return fake.cuStreamWaitEvent(ctypes.c_size_t(stream), ctypes.c_void_p(event), 0)
+
+
+def capture_of(dev, stream):
+    """(capture id, terminals) of `stream`, or None."""
+    return dev.stream_capture_info(stream)
+
+
+@scenario
+def a_captured_event_forks_the_capture_and_its_end_needs_the_join():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    fake.fake_set_current(0)
+    out = {}
+    dev.begin_capture(71, "global")
+    fake.fake_launch(71, 1)
+    fork = dev.record_event(71)
+    out["wait"] = wait_event(72, fork)
+    out["joined"] = [capture_of(dev, 72) == capture_of(dev, 71)]    # same id, after the same node
+    node = fake.fake_capture_node(72, 1)
+    out["end"] = cuda_error(dev.end_capture, 71)[:3]                # 72's node is not joined back
+    out["after"] = [capture_of(dev, 71), capture_of(dev, 72), node != 0]
+    dev.begin_capture(71, "global")
+    fork_again = dev.record_event(71)
+    wait_event(73, fork_again)
+    fake.fake_capture_node(73, 1)
+    join = dev.record_event(73)
+    out["join"] = wait_event(71, join)
+    out["origin_terminals"] = len(capture_of(dev, 71)[1])         # its own (none) and 73's node
+    graph = dev.end_capture(71)
+    out["joined_back"] = [graph != 0, capture_of(dev, 73), fake.fake_graph_nodes(graph)]
+    dev.destroy_graph(graph)
+    for event in (fork, fork_again, join):
+        dev.destroy_event(event)
+    return out
+
+
+@scenario
+def capture_waits_the_driver_refuses():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    fake.fake_set_current(0)
+    out = {}
+    outside = dev.record_event(74)                                  # recorded outside any capture
+    dev.begin_capture(75, "global")
+    out["isolation"] = [wait_event(75, outside), fake.fake_capture_status(75)]
+    out["isolated_end"] = cuda_error(dev.end_capture, 75)[:3]
+    dev.begin_capture(75, "global")
+    fork = dev.record_event(75)
+    wait_event(76, fork)
+    out["end_on_joined"] = [cuda_error(dev.end_capture, 76)[:3], fake.fake_capture_status(75)]
+    out["end_on_origin"] = cuda_error(dev.end_capture, 75)[:3]
+    out["ended_event"] = wait_event(77, fork)                      # its capture is over
+    dev.begin_capture(78, "global")
+    dev.begin_capture(79, "global")
+    other = dev.record_event(79)
+    out["merge"] = [wait_event(78, other), fake.fake_capture_status(78), fake.fake_capture_status(79)]
+    for stream in (78, 79):
+        cuda_error(dev.end_capture, stream)
+    for event in (outside, fork, other):
+        dev.destroy_event(event)
+    return out
+
+
+@scenario
+def a_captured_memset_is_a_node_after_the_streams_terminals():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    fake.fake_set_current(0)
+    fake.cuMemsetD8Async.argtypes = [ctypes.c_ulonglong, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_size_t]
+    outside = [fake.cuMemsetD8Async(0x1000, 0, 1, 80), fake.fake_launched(80)]   # no work modelled
+    dev.begin_capture(80, "global")
+    fake.fake_launch(80, 1)
+    first = capture_of(dev, 80)[1]
+    result = fake.cuMemsetD8Async(0x1000, 0, 1, 80)
+    memset = capture_of(dev, 80)[1]
+    parents = dev.node_parents(memset[0])
+    dev.destroy_graph(dev.end_capture(80))
+    return {"outside": outside, "inside": [result, len(memset), memset != first, parents == first]}
+
+
+@scenario
+def a_destroyed_streams_event_follows_its_own_work_not_the_next_stream_with_its_handle():
+    from pyalloc._cuda import CudaDevice
+    dev = CudaDevice(0)
+    fake.fake_set_current(0)
+    fake.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint]
+    fake.cuStreamDestroy.argtypes = [ctypes.c_size_t]
+    first = ctypes.c_size_t()
+    fake.cuStreamCreate(ctypes.byref(first), 1)
+    fake.fake_launch(first.value, 1)
+    event = dev.record_event(first.value)
+    destroyed = fake.cuStreamDestroy(first.value)
+    again = ctypes.c_size_t()
+    fake.cuStreamCreate(ctypes.byref(again), 1)
+    fake.fake_complete(again.value)                 # the new stream's work: none of the old
+    out = [destroyed, again.value == first.value, fake.fake_launched(again.value), dev.event_done(event)]
+    dev.synchronize()                               # the destroyed stream's work completes too
+    out.append(dev.event_done(event))
+    fake.cuStreamDestroy(again.value)
+    dev.destroy_event(event)
+    return out
+
+
 # Last: a failed cuMemFree leaves its segment with the allocator and the fake.
 @scenario
 def relaxed_mode_is_restored_when_each_memory_call_fails():

@@ -19,6 +19,12 @@
  *     them or a new root beside them); cuStreamGetCaptureInfo reports the terminals,
  *     cuGraphNodeGetDependencies a node's parents; cuGraphInstantiateWithFlags/cuGraphLaunch
  *     replay a graph as work on a stream; bad graph, node and executable handles are errors;
+ *     an event recorded in a capture forks it: a stream that waits on it joins the capture after
+ *     the event's nodes (or, in it already, adds them to its terminals), and cuStreamEndCapture
+ *     on the stream that began it is CUDA_ERROR_STREAM_CAPTURE_UNJOINED unless every joined
+ *     stream's terminals precede the origin's (joined back), ..._UNMATCHED on a joined stream;
+ *     a capturing stream's wait on an event recorded outside it is ..._ISOLATION, a wait that
+ *     would merge two captures ..._MERGE; a captured cuMemsetD8Async is a node;
  *   - virtual memory (expandable segments): address reservations, physical allocations counted
  *     against the device's capacity, maps and unmaps (no memory behind any of them);
  *   - capture modes as the driver documents them (cuThreadExchangeStreamCaptureMode): a thread in
@@ -34,8 +40,10 @@
  *     driver does), mapped host memory (cuMemHostAlloc, cuMemHostGetDevicePointer: the same
  *     address, cuMemFreeHost), cuStreamWaitValue32 (a unit of work that completes once the host
  *     word reaches the value: polled when an event is queried), cuStreamWaitEvent (ordering not
- *     modelled), and cuMemRetainAllocationHandle over the mapped ranges. The synchronizing calls
- *     complete a stream's work without waiting for its words, as the suite's watchdog would;
+ *     modelled outside capture), and cuMemRetainAllocationHandle over the mapped ranges. The
+ *     synchronizing calls complete a stream's work without waiting for its words, as the suite's
+ *     watchdog would. A destroyed stream's queued work and its events outlive the stream: a new
+ *     stream that gets the handle again has none of that work;
  *   - enough for cuda.core's Device, Stream and Buffer over pyalloc's resource (tests/test_cuda_
  *     core_fake_driver.py, bench/cuda_core_resource_cpu.py): stream priorities, not modelled.
  * Test-only entry points (fake_*) are called through ctypes.
@@ -54,7 +62,9 @@ enum {
     SUCCESS = 0, ERR_INVALID_VALUE = 1, ERR_OUT_OF_MEMORY = 2, ERR_NOT_INITIALIZED = 3,
     ERR_INVALID_DEVICE = 101, ERR_INVALID_CONTEXT = 201, ERR_INVALID_HANDLE = 400,
     ERR_ILLEGAL_STATE = 401, ERR_NOT_FOUND = 500, ERR_NOT_READY = 600,
-    ERR_CAPTURE_UNSUPPORTED = 900, ERR_CAPTURE_INVALIDATED = 901, ERR_CAPTURE_IMPLICIT = 906,
+    ERR_CAPTURE_UNSUPPORTED = 900, ERR_CAPTURE_INVALIDATED = 901, ERR_CAPTURE_MERGE = 902,
+    ERR_CAPTURE_UNMATCHED = 903, ERR_CAPTURE_UNJOINED = 904, ERR_CAPTURE_ISOLATION = 905,
+    ERR_CAPTURE_IMPLICIT = 906,
     ERR_CAPTURED_EVENT = 907, ERR_CAPTURE_WRONG_THREAD = 908
 };
 
@@ -63,7 +73,7 @@ enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2 };
 
 #define MAX_DEVICES 8
 #define MAX_SEGMENTS 4096
-#define MAX_STREAMS 64
+#define MAX_STREAMS 512
 #define DEVICE_RANGE 0x10000000000ULL
 #define VA_BASE 0x700000000000ULL
 #define MAX_NODES 256
@@ -79,16 +89,24 @@ struct graph { unsigned long long capture_id; size_t n_nodes; long launches;
 struct exec { struct graph *graph; };
 #define MAX_WAITS 1024
 struct wait { unsigned long long unit; const volatile unsigned *word; unsigned value; };
+/* A stream's record: `used` once made, `dead` once destroyed (kept while its queued work runs:
+ * its events still follow it), handed to a new stream only when its work is over; `gen` counts
+ * the streams a record has held, so an event of a former holder reads as complete. */
 struct stream {
+    int used, dead; unsigned gen;
     uintptr_t handle; unsigned long long launched, completed;
     size_t n_waits; struct wait waits[MAX_WAITS];   /* cuStreamWaitValue32 units not yet done */
     int device;                        /* fake_set_stream_device's, else -1: the current context's */
     int capture;                       /* CAPTURE_NONE / ACTIVE / INVALIDATED */
     int capture_mode; const void *capture_thread; unsigned long long capture_id;
+    int origin;                        /* began the capture (else joined it by an event wait) */
     struct graph *graph; size_t n_terminals; struct node *terminals[MAX_DEPS];
 };
-struct event { unsigned magic; uintptr_t stream; unsigned long long target; int recorded; unsigned flags;
-               int captured; int device; };
+/* An event recorded in a capture holds the capture's id and the stream's terminals at the
+ * record: a stream that waits on it joins the capture after those nodes. */
+struct event { unsigned magic; int sidx; unsigned gen; unsigned long long target; int recorded;
+               unsigned flags; int captured; int device; unsigned long long capture_id;
+               size_t n_nodes; struct node *nodes[MAX_DEPS]; };
 struct phys { unsigned long long handle; size_t size; int device; int live; int refs; };
 struct mapping { CUdeviceptr ptr; size_t size; unsigned long long handle; int live; };
 
@@ -168,14 +186,44 @@ static void log_entry(const char *entry) {
     log_len += n;
 }
 
+/* A record for a new stream: a never-used one, or a destroyed stream's whose work is over;
+ * NULL when every record holds a stream or a destroyed stream's unfinished work. */
+static struct stream *new_stream_record(uintptr_t h) {
+    struct stream *s = NULL;
+    for (int i = 0; i < n_streams && !s; i++)
+        if (!streams[i].used || (streams[i].dead && streams[i].completed >= streams[i].launched &&
+                                 streams[i].n_waits == 0))
+            s = &streams[i];
+    if (!s && n_streams < MAX_STREAMS) s = &streams[n_streams++];
+    if (!s) return NULL;
+    unsigned gen = s->gen + 1;
+    memset(s, 0, sizeof *s);
+    s->used = 1;
+    s->gen = gen;
+    s->handle = h;
+    s->device = -1;
+    return s;
+}
+
 static struct stream *get_stream(uintptr_t h) {
     for (int i = 0; i < n_streams; i++)
-        if (streams[i].handle == h) return &streams[i];
-    if (n_streams == MAX_STREAMS) return &streams[MAX_STREAMS - 1];
-    memset(&streams[n_streams], 0, sizeof streams[0]);   /* cuStreamDestroy may have left a copy */
-    streams[n_streams].handle = h;
-    streams[n_streams].device = -1;
-    return &streams[n_streams++];
+        if (streams[i].used && !streams[i].dead && streams[i].handle == h) return &streams[i];
+    struct stream *s = new_stream_record(h);
+    return s ? s : &streams[MAX_STREAMS - 1];    /* full: the callers take a record regardless */
+}
+
+/* Every stream in capture `id` (the one that began it and those that joined it). */
+#define FOR_CAPTURE(s, id) \
+    for (struct stream *s = streams; s < streams + n_streams; s++) \
+        if (s->used && s->capture != CAPTURE_NONE && s->capture_id == (id))
+
+static void invalidate_capture(unsigned long long id) {
+    FOR_CAPTURE(s, id) s->capture = CAPTURE_INVALIDATED;
+}
+
+/* The capture is over (ended or failed): no stream of it captures any more. */
+static void leave_capture(unsigned long long id) {
+    FOR_CAPTURE(s, id) { s->capture = CAPTURE_NONE; s->n_terminals = 0; s->graph = NULL; s->origin = 0; }
 }
 
 /* Complete the stream's units up to the first cuStreamWaitValue32 whose word is still short, if
@@ -205,10 +253,10 @@ static int unsafe_call(const char *name) {
     int refused = 0;
     for (int i = 0; i < n_streams; i++) {
         struct stream *s = &streams[i];
-        if (s->capture != CAPTURE_ACTIVE || s->capture_mode == MODE_RELAXED) continue;
+        if (!s->used || s->capture != CAPTURE_ACTIVE || s->capture_mode == MODE_RELAXED) continue;
         int mine = s->capture_thread == &thread_key;
         if (mine || (s->capture_mode == MODE_GLOBAL && thread_mode == MODE_GLOBAL)) {
-            s->capture = CAPTURE_INVALIDATED;
+            invalidate_capture(s->capture_id);
             refused = 1;
         }
     }
@@ -217,7 +265,7 @@ static int unsafe_call(const char *name) {
 
 static int any_capture(void) {
     for (int i = 0; i < n_streams; i++)
-        if (streams[i].capture != CAPTURE_NONE) return 1;
+        if (streams[i].used && streams[i].capture != CAPTURE_NONE) return 1;
     return 0;
 }
 
@@ -370,10 +418,16 @@ CUresult cuEventRecord(struct event *e, uintptr_t stream) {
     struct stream *s = get_stream(stream);
     /* The real driver refuses an event and a stream of different contexts. */
     if (stream > 2 && (s->device >= 0 ? s->device : current->device) != e->device) return ERR_INVALID_HANDLE;
-    e->stream = stream;
+    e->sidx = (int)(s - streams);
+    e->gen = s->gen;
     e->target = s->launched;
     e->recorded = 1;
     e->captured = s->capture == CAPTURE_ACTIVE;  /* a fork/join point of the capture, no work */
+    if (e->captured) {
+        e->capture_id = s->capture_id;
+        e->n_nodes = s->n_terminals;
+        memcpy(e->nodes, s->terminals, s->n_terminals * sizeof e->nodes[0]);
+    }
     calls_event_record++;
     return SUCCESS;
 }
@@ -385,7 +439,8 @@ CUresult cuEventQuery(struct event *e) {
     if (e->captured) return ERR_CAPTURED_EVENT;
     if ((f = unsafe_call("cuEventQuery"))) return f;
     if (!e->recorded) return SUCCESS;
-    struct stream *s = get_stream(e->stream);
+    struct stream *s = &streams[e->sidx];
+    if (s->gen != e->gen) return SUCCESS;        /* its stream's record was reused: work over */
     advance_waits(s);
     return s->completed >= e->target ? SUCCESS : ERR_NOT_READY;
 }
@@ -395,8 +450,8 @@ CUresult cuEventSynchronize(struct event *e) {
     if (!e || e->magic != EVENT_MAGIC) return ERR_INVALID_HANDLE;
     if (e->captured) return ERR_CAPTURED_EVENT;
     if ((f = unsafe_call("cuEventSynchronize"))) return f;
-    if (e->recorded) {
-        struct stream *s = get_stream(e->stream);
+    if (e->recorded && streams[e->sidx].gen == e->gen) {
+        struct stream *s = &streams[e->sidx];
         if (s->completed < e->target) s->completed = e->target;
         advance_waits(s);
     }
@@ -422,7 +477,7 @@ CUresult cuStreamSynchronize(uintptr_t stream) {
     if (!current) return ERR_INVALID_CONTEXT;
     struct stream *s = get_stream(stream);
     if (s->capture != CAPTURE_NONE) {             /* illegal on a capturing stream */
-        s->capture = CAPTURE_INVALIDATED;
+        invalidate_capture(s->capture_id);
         return ERR_CAPTURE_UNSUPPORTED;
     }
     s->completed = s->launched;
@@ -432,7 +487,8 @@ CUresult cuStreamSynchronize(uintptr_t stream) {
 
 CUresult cuCtxSynchronize(void) {
     if (!current) return ERR_INVALID_CONTEXT;
-    for (int i = 0; i < n_streams; i++) {
+    for (int i = 0; i < n_streams; i++) {             /* destroyed streams' work too */
+        if (!streams[i].used) continue;
         streams[i].completed = streams[i].launched;
         advance_waits(&streams[i]);
     }
@@ -572,9 +628,31 @@ CUresult cuStreamBeginCapture(uintptr_t stream, int mode) {
     s->capture_mode = mode;
     s->capture_thread = &thread_key;
     s->capture_id = g->capture_id;
+    s->origin = 1;
     s->graph = g;
     s->n_terminals = 0;
     return SUCCESS;
+}
+
+/* The origin's terminals and their ancestors cover every joined stream's terminals: each fork
+ * was joined back (else cuStreamEndCapture is CUDA_ERROR_STREAM_CAPTURE_UNJOINED). */
+static int all_joined(const struct stream *origin) {
+    char reached[MAX_NODES] = {0};
+    struct node *stack[MAX_NODES];
+    size_t top = 0;
+    const struct graph *g = origin->graph;
+    for (size_t i = 0; i < origin->n_terminals; i++) stack[top++] = origin->terminals[i];
+    while (top) {
+        struct node *n = stack[--top];
+        size_t k = (size_t)(n - g->nodes);
+        if (reached[k]) continue;
+        reached[k] = 1;
+        for (size_t d = 0; d < n->n_deps; d++) stack[top++] = n->deps[d];
+    }
+    FOR_CAPTURE(t, origin->capture_id)
+        for (size_t i = 0; i < t->n_terminals; i++)
+            if (!reached[t->terminals[i] - g->nodes]) return 0;
+    return 1;
 }
 
 CUresult cuStreamEndCapture(uintptr_t stream, struct graph **graph) {
@@ -583,21 +661,24 @@ CUresult cuStreamEndCapture(uintptr_t stream, struct graph **graph) {
     if (!graph) return ERR_INVALID_VALUE;
     struct stream *s = get_stream(stream);
     if (s->capture == CAPTURE_NONE) return ERR_ILLEGAL_STATE;
+    if (!s->origin) {                             /* it joined the capture: end it where it began */
+        invalidate_capture(s->capture_id);
+        return ERR_CAPTURE_UNMATCHED;
+    }
     if (s->capture_mode != MODE_RELAXED && s->capture_thread != &thread_key)
         return ERR_CAPTURE_WRONG_THREAD;
-    int invalidated = s->capture == CAPTURE_INVALIDATED;
-    s->capture = CAPTURE_NONE;
-    s->n_terminals = 0;
-    if (invalidated) {
-        untrack((void **)graphs, s->graph);
-        free(s->graph);
+    struct graph *g = s->graph;
+    CUresult result = s->capture == CAPTURE_INVALIDATED ? ERR_CAPTURE_INVALIDATED : SUCCESS;
+    if (result == SUCCESS && !all_joined(s)) result = ERR_CAPTURE_UNJOINED;
+    leave_capture(s->capture_id);
+    if (result != SUCCESS) {                      /* the capture ends, with no graph */
+        untrack((void **)graphs, g);
+        free(g);
         graphs_live--;
-        s->graph = NULL;
         *graph = NULL;
-        return ERR_CAPTURE_INVALIDATED;
+        return result;
     }
-    *graph = s->graph;
-    s->graph = NULL;
+    *graph = g;
     return SUCCESS;
 }
 
@@ -717,6 +798,10 @@ static const struct { int code; const char *name, *desc; } errors[] = {
     {713, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "pointer does not correspond to a registered memory region"},
     {900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
     {901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"},
+    {902, "CUDA_ERROR_STREAM_CAPTURE_MERGE", "operation would have resulted in a merge of two independent capture sequences"},
+    {903, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "capture was not initiated in this stream"},
+    {904, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED", "capture sequence contains a fork that was not joined to the primary stream"},
+    {905, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION", "dependency created on uncaptured work in another stream"},
     {906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
      "operation would make the legacy stream depend on a capturing blocking stream"},
     {907, "CUDA_ERROR_CAPTURED_EVENT", "operation not permitted on an event last recorded in a capturing stream"},
@@ -817,20 +902,22 @@ void fake_set_current(int dev) { current = (dev >= 0 && dev < MAX_DEVICES) ? &co
 CUresult cuStreamCreate(uintptr_t *stream, unsigned flags) {
     (void)flags;
     if (!current) return ERR_INVALID_CONTEXT;
-    if (n_streams == MAX_STREAMS) return ERR_OUT_OF_MEMORY;
-    uintptr_t h = n_free_handles ? free_handles[--n_free_handles] : next_stream_handle++;
-    struct stream *s = &streams[n_streams++];
-    memset(s, 0, sizeof *s);
-    s->handle = h;
+    uintptr_t h = n_free_handles ? free_handles[n_free_handles - 1] : next_stream_handle;
+    struct stream *s = new_stream_record(h);
+    if (!s) return ERR_OUT_OF_MEMORY;
+    if (n_free_handles) n_free_handles--; else next_stream_handle++;
     s->device = current->device;
     *stream = h;
     return SUCCESS;
 }
 
+/* The queued work of a destroyed stream still runs: its record stays (dead) for its events
+ * until that work is over and a new stream takes the record; the handle is handed out again. */
 CUresult cuStreamDestroy(uintptr_t stream) {
     for (int i = 0; i < n_streams; i++) {
-        if (streams[i].handle == stream && stream >= STREAM_HANDLE_BASE) {
-            streams[i] = streams[--n_streams];
+        struct stream *s = &streams[i];
+        if (s->used && !s->dead && s->handle == stream && stream >= STREAM_HANDLE_BASE) {
+            s->dead = 1;
             if (n_free_handles < MAX_STREAMS) free_handles[n_free_handles++] = stream;
             return SUCCESS;
         }
@@ -906,9 +993,63 @@ CUresult cuStreamWaitValue32(uintptr_t stream, CUdeviceptr addr, unsigned value,
     return SUCCESS;
 }
 
+/* Outside capture the ordering is not modelled. A wait on an event recorded in a capture joins
+ * the capture (a stream not capturing: its terminals become the event's nodes) or adds the
+ * event's nodes to the stream's terminals (a stream of that capture); the errors are the
+ * driver's: a capture that ended (CUDA_ERROR_INVALID_VALUE), the legacy stream joining (it is
+ * refused and invalidates the capture), one invalidated, two captures merged; and a capturing
+ * stream waiting on an event recorded outside its capture is an isolation error. */
 CUresult cuStreamWaitEvent(uintptr_t stream, struct event *e, unsigned flags) {
-    (void)stream; (void)flags;
-    return (e && e->magic == EVENT_MAGIC) ? SUCCESS : ERR_INVALID_HANDLE;
+    (void)flags;
+    if (!e || e->magic != EVENT_MAGIC) return ERR_INVALID_HANDLE;
+    struct stream *s = get_stream(stream);
+    if (!e->captured) {
+        if (s->capture == CAPTURE_ACTIVE && e->recorded) {
+            invalidate_capture(s->capture_id);
+            return ERR_CAPTURE_ISOLATION;
+        }
+        return SUCCESS;
+    }
+    struct stream *origin = NULL;
+    FOR_CAPTURE(t, e->capture_id) if (t->origin) origin = t;
+    if (!origin) return ERR_INVALID_VALUE;
+    if (s->capture == CAPTURE_NONE) {
+        if (is_legacy(stream)) { invalidate_capture(e->capture_id); return ERR_CAPTURE_UNSUPPORTED; }
+        if (origin->capture == CAPTURE_INVALIDATED) return ERR_CAPTURE_INVALIDATED;
+        s->capture = CAPTURE_ACTIVE;
+        s->capture_mode = origin->capture_mode;
+        s->capture_thread = origin->capture_thread;
+        s->capture_id = origin->capture_id;
+        s->graph = origin->graph;
+        s->origin = 0;
+        s->n_terminals = e->n_nodes;
+        memcpy(s->terminals, e->nodes, e->n_nodes * sizeof s->terminals[0]);
+        return SUCCESS;
+    }
+    if (s->capture_id != e->capture_id) {
+        invalidate_capture(s->capture_id);
+        invalidate_capture(e->capture_id);
+        return ERR_CAPTURE_MERGE;
+    }
+    for (size_t i = 0; i < e->n_nodes; i++) {
+        int known = 0;
+        for (size_t j = 0; j < s->n_terminals; j++) known |= s->terminals[j] == e->nodes[i];
+        if (!known && s->n_terminals < MAX_DEPS) s->terminals[s->n_terminals++] = e->nodes[i];
+    }
+    return SUCCESS;
+}
+
+/* A memset: while the stream captures, a node after its terminals; outside capture it is not
+ * modelled as work (the fake keeps no memory behind its addresses). */
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, uintptr_t stream) {
+    (void)dst; (void)value; (void)n;
+    int f = should_fail("cuMemsetD8Async");
+    if (f) return f;
+    if (!current) return ERR_INVALID_CONTEXT;
+    struct stream *s = get_stream(stream);
+    if (s->capture == CAPTURE_INVALIDATED) return ERR_CAPTURE_INVALIDATED;
+    if (s->capture == CAPTURE_ACTIVE && !capture_node(s, 1)) return ERR_OUT_OF_MEMORY;
+    return SUCCESS;
 }
 
 CUresult cuMemRetainAllocationHandle(unsigned long long *handle, void *addr) {
@@ -960,7 +1101,7 @@ static const struct { const char *name; void *fn; } table[] = {
     F(cuGraphNodeGetDependencies), F(cuGraphInstantiateWithFlags), F(cuGraphLaunch),
     F(cuGraphExecDestroy), F(cuGraphDestroy),
     F(cuStreamCreate), F(cuStreamDestroy), F(cuMemHostAlloc), F(cuMemHostGetDevicePointer),
-    F(cuMemFreeHost), F(cuMemHostRegister), F(cuMemHostUnregister), F(cuStreamWaitValue32), F(cuStreamWaitEvent), F(cuMemRetainAllocationHandle),
+    F(cuMemFreeHost), F(cuMemHostRegister), F(cuMemHostUnregister), F(cuStreamWaitValue32), F(cuStreamWaitEvent), F(cuMemsetD8Async), F(cuMemRetainAllocationHandle),
     F(cuCtxGetStreamPriorityRange), F(cuStreamCreateWithPriority),
 #undef F
 };

@@ -1,5 +1,6 @@
 """The conformance suite's CUDA backend without a GPU: the [cuda] cases of the files that run
-through the harness (HARNESS_FILES: tests/test_core.py, test_pools.py, test_history.py) and the
+through the harness (HARNESS_FILES: tests/test_core.py, test_pools.py, test_history.py,
+test_graphs.py, test_stream_lifetime.py, test_expandable.py) and the
 property state machine's CUDA variant (tests/test_properties.py, CudaAllocatorMachine) run over
 CudaDevice against the fake driver (tests/fake_libcuda.c, compiled here into a libcuda.so.1 that
 cuda-bindings loads in place of the real one).
@@ -49,7 +50,9 @@ def run_child(fake_env, name, *args):
 # The files that run through the conformance harness (tests/backends.py), each with the fewest
 # [cuda] cases it has and the fewest of them that must run (not @sim_only): a file that stops
 # running through the harness, or marks most of itself sim-only, fails here.
-HARNESS_FILES = {"test_core.py": (150, 100), "test_pools.py": (50, 40), "test_history.py": (70, 60)}
+HARNESS_FILES = {"test_core.py": (150, 100), "test_pools.py": (50, 40), "test_history.py": (70, 60),
+                 "test_graphs.py": (40, 33), "test_stream_lifetime.py": (40, 18),
+                 "test_expandable.py": (15, 8)}
 
 
 @pytest.fixture(scope="module", params=sorted(HARNESS_FILES))

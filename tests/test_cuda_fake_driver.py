@@ -17,6 +17,7 @@ from fake_driver import child_env
 HERE = Path(__file__).resolve().parent
 from units import MiB
 RANGE = 0x10000000000
+CAPTURE_INVALIDATED = 2               # cuStreamGetCaptureInfo's CU_STREAM_CAPTURE_STATUS_INVALIDATED
 
 
 @pytest.fixture(scope="module")
@@ -455,3 +456,59 @@ def test_capture_error_codes_have_names_and_descriptions(results):
                      906: "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", 907: "CUDA_ERROR_CAPTURED_EVENT",
                      908: "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD"}
     assert all(v[1] for v in value(results, "capture_error_names_are_readable").values())
+
+
+# ------------------------------------------------------------------ multi-stream capture, streams
+# (what the graphs and stream-lifetime specifications' [cuda] cases need of the fake, as the
+# driver does it)
+
+def test_a_stream_waiting_on_a_captured_event_joins_the_capture_after_its_nodes(results):
+    v = value(results, "a_captured_event_forks_the_capture_and_its_end_needs_the_join")
+    assert v["wait"] == 0 and v["joined"] == [True]
+
+
+def test_ending_a_capture_with_a_fork_not_joined_back_is_unjoined_and_ends_every_stream_of_it(results):
+    v = value(results, "a_captured_event_forks_the_capture_and_its_end_needs_the_join")
+    assert v["end"] == ["cuStreamEndCapture", 904, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED"]
+    assert v["after"] == [None, None, True]
+
+
+def test_ending_a_capture_whose_forks_were_joined_back_gives_the_graph_and_ends_the_joins(results):
+    v = value(results, "a_captured_event_forks_the_capture_and_its_end_needs_the_join")
+    assert v["join"] == 0 and v["origin_terminals"] == 1
+    assert v["joined_back"] == [True, None, 1]
+
+
+def test_a_capturing_streams_wait_on_an_event_from_outside_it_is_an_isolation_error(results):
+    v = value(results, "capture_waits_the_driver_refuses")
+    assert v["isolation"] == [905, CAPTURE_INVALIDATED]
+    assert v["isolated_end"] == ["cuStreamEndCapture", 901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]
+
+
+def test_ending_a_capture_on_a_stream_that_joined_it_is_unmatched_and_invalidates_it(results):
+    v = value(results, "capture_waits_the_driver_refuses")
+    assert v["end_on_joined"] == [["cuStreamEndCapture", 903, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED"],
+                                  CAPTURE_INVALIDATED]
+    assert v["end_on_origin"] == ["cuStreamEndCapture", 901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"]
+
+
+def test_a_wait_on_an_event_of_an_ended_capture_is_invalid_value(results):
+    # SimDevice's answer (pyalloc/_sim_capture.pyx); the driver's documentation names no error
+    # for this case, so the fake follows the simulator here.
+    assert value(results, "capture_waits_the_driver_refuses")["ended_event"] == 1
+
+
+def test_a_wait_that_would_merge_two_captures_is_refused_and_invalidates_both(results):
+    v = value(results, "capture_waits_the_driver_refuses")
+    assert v["merge"] == [902, CAPTURE_INVALIDATED, CAPTURE_INVALIDATED]
+
+
+def test_a_captured_memset_is_a_node_after_the_streams_terminals(results):
+    v = value(results, "a_captured_memset_is_a_node_after_the_streams_terminals")
+    assert v["outside"] == [0, 0]
+    assert v["inside"] == [0, 1, True, True]
+
+
+def test_a_destroyed_streams_event_follows_its_own_work_not_the_next_stream_with_its_handle(results):
+    v = value(results, "a_destroyed_streams_event_follows_its_own_work_not_the_next_stream_with_its_handle")
+    assert v == [0, True, 0, False, True]

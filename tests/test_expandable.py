@@ -1,4 +1,10 @@
-"""Expandable segments (expandable_segments:True) on the simulated device."""
+"""Expandable segments (expandable_segments:True).
+
+Every test runs on SimDevice and, where a GPU is present, on the GPU (tests/backends.py's harness,
+as tests/test_core.py: [sim] and [cuda]); @sim_only marks, with the reason, those that need what
+only the simulator has. The GPU's own half (memory that is written and read) is
+tests/test_expandable_gpu.py.
+"""
 import json
 from pathlib import Path
 
@@ -6,18 +12,27 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import pyalloc
+from pyalloc._expandable import expandable_reservation_size
 from pyalloc.replay import replay
+
+import backends
+from backends import backend, sim_only  # noqa: F401 (backend: the autouse fixture)
 
 MiB = 1 << 20
 GiB = 1 << 30
 TRACES = Path(__file__).resolve().parent / "data"     # PyTorch traces (tests/data/README.md)
+COUNTERS = "counts backend calls (SimDevice.counters)"
+DEVICE_SIZE = "needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory paths"
 
 
 def make(total=80 * GiB, config="expandable_segments:True"):
-    sim = pyalloc.SimDevice(total)
-    return pyalloc.CachingAllocator(backend=sim, config=config), sim
+    """(allocator, device) of the running test (tests/backends.py's make: a SimDevice of `total`
+    bytes, or on a [cuda] run the GPU, whose size a test of another size cannot ask for)."""
+    dev, alloc = backends.make(config, total)
+    return alloc, dev
 
 
+@sim_only(COUNTERS)
 def test_small_request_maps_one_2mib_page():
     a, sim = make()
     a.malloc(4096)
@@ -46,6 +61,7 @@ def test_segment_grows_contiguously_at_its_frontier():
     assert len(sim.reservations()) == 1
 
 
+@sim_only(COUNTERS)
 def test_freed_expandable_block_is_reused_without_mapping():
     a, sim = make()
     p1 = a.malloc(30 * MiB)
@@ -99,7 +115,9 @@ def test_streams_get_separate_segments():
     p0 = a.malloc(30 * MiB, 0)
     p1 = a.malloc(30 * MiB, s)
     assert len(sim.reservations()) == 2
-    assert abs(p1 - p0) >= 80 * GiB
+    # Each reserves the address space PyTorch reserves for a pool (more than the device's memory).
+    reserved = expandable_reservation_size(a.backend.mem_get_info()[1], False)
+    assert abs(p1 - p0) >= reserved
 
 
 def test_expandable_segment_sizes_lists_every_segment_including_default_stream():
@@ -121,6 +139,7 @@ def run_workload(a, stream):
             a.free(p)
 
 
+@sim_only(COUNTERS)
 def test_warm_up_maps_ahead_so_the_workload_maps_nothing():
     first, _ = make()
     run_workload(first, 0)
@@ -157,6 +176,8 @@ def test_switching_off_at_run_time_skips_expandable_blocks():
     a._check_invariants()
 
 
+@sim_only("counts backend calls (SimDevice.counters) of an allocator that follows the process settings "
+          "(no explicit config, which the harness's make always gives)")
 def test_set_allocator_settings_switches_an_allocator_that_follows_process_settings():
     before = pyalloc.get_allocator_settings()
     try:
@@ -172,6 +193,7 @@ def test_set_allocator_settings_switches_an_allocator_that_follows_process_setti
         pyalloc.set_allocator_settings("expandable_segments:False," + before if before else "expandable_segments:False")
 
 
+@sim_only(DEVICE_SIZE)
 def test_out_of_memory_when_pages_cannot_be_mapped_and_allocator_stays_usable():
     a, sim = make(total=100 * MiB)
     p = a.malloc(60 * MiB)
@@ -182,6 +204,7 @@ def test_out_of_memory_when_pages_cannot_be_mapped_and_allocator_stays_usable():
     a._check_invariants()
 
 
+@sim_only(DEVICE_SIZE)
 def test_oom_flush_unmaps_free_pages_of_another_pool_and_retries():
     a, sim = make(total=100 * MiB)
     small = [a.malloc(1 * MiB) for _ in range(20)]     # 20 small pages... 20 MiB mapped in the small pool
@@ -196,6 +219,7 @@ def test_oom_flush_unmaps_free_pages_of_another_pool_and_retries():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["malloc", "free", "empty"]),
                           st.integers(1, 64 * MiB), st.integers(0, 1)), max_size=60))
+@sim_only(DEVICE_SIZE)
 def test_random_sequences_keep_invariants_and_never_overlap(ops):
     a, sim = make(total=2 * GiB)
     s1 = sim.create_stream()
@@ -225,6 +249,8 @@ def torch_peaks():
 
 
 @pytest.mark.parametrize("run", torch_peaks(), ids=lambda r: r["workload"])
+@sim_only("replays a trace on SimDevice at PyTorch's recorded addresses (pyalloc.replay): no device of "
+          "the test's")
 def test_replaying_expandable_traces_reproduces_pytorch(run):
     result = replay(TRACES / f"{run['workload']}-expandable.pickle.gz", config=run["conf"])
     assert (result.peak_reserved, result.peak_allocated, result.num_device_alloc) == (

@@ -1,11 +1,14 @@
 """Specification of CUDA-graph capture in the allocator (a.graph, private graph pools, deferred
-frees, in-capture reuse with free markers), on the simulated device.
+frees, in-capture reuse with free markers).
 
 The rules are PyTorch's (c10/cuda/CUDACachingAllocator.cpp, late 2025): private pools and the routing
 of a capture's allocations to them, a pool keeping its high-water mark while a graph uses it, frees
 deferred while a capture runs, graph_capture_record_stream_reuse (#158352's two-stream cases and
 #162186's per-stream rule), and empty_cache. A kernel is `sim.launch(stream, uses=(ptr, ...))`: during a capture it
-becomes a graph node that uses those blocks.
+becomes a graph node that uses those blocks (on the GPU, a memset of each: tests/backends.py).
+Every test runs on SimDevice and, where a GPU is present, on the GPU (tests/backends.py's harness,
+as tests/test_core.py: [sim] and [cuda]); @sim_only marks, with the reason, those that need what
+only the simulator has.
 """
 import os
 
@@ -13,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from pyalloc import CachingAllocator, OutOfMemoryError, SimDevice
+from backends import backend, sim_only  # noqa: F401 (backend: the autouse fixture)
 from pool_helpers import make, pool_of
 
 from units import KiB, MiB, GiB
@@ -113,6 +117,8 @@ def test_reset_releases_the_pool():
     assert alloc.memory_reserved() == 0 and alloc._pool_info(g.pool()) is None
 
 
+@sim_only("counts a replayed graph's nodes as pending work (SimDevice.pending); CudaTestDevice "
+          "counts only the units it launched itself")
 def test_replay_runs_the_graph_as_work_on_the_stream():
     sim, alloc = make()
     s = sim.create_stream()
@@ -219,6 +225,7 @@ def test_an_exception_in_the_capture_ends_it_and_releases_the_pool():
 
 # ------------------------------------------------------------------------------- no device calls
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_no_event_call_is_made_during_a_capture():
     sim, alloc = make()
     s, side = sim.create_stream(), sim.create_stream()
@@ -233,6 +240,7 @@ def test_no_event_call_is_made_during_a_capture():
     assert after == before
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_empty_cache_during_a_capture_frees_nothing():
     sim, alloc = make()
     alloc.free(alloc.malloc(4 * KiB))                    # a cached default segment
@@ -244,6 +252,7 @@ def test_empty_cache_during_a_capture_frees_nothing():
         assert sim.counters["segment_free"] == 0
 
 
+@sim_only("needs a device of a chosen size (SimDevice's total_memory) and counts its segment frees")
 def test_out_of_memory_during_a_capture_raises_without_freeing_and_keeps_the_capture():
     sim, alloc = make("max_split_size_mb:20", total_memory=40 * MiB)
     alloc.free(alloc.malloc(30 * MiB))                   # a cached oversize segment
@@ -290,6 +299,7 @@ def test_a_record_stream_free_in_a_capture_is_deferred_until_it_ends():
     assert alloc.memory_stats()["active.all.current"] == 1
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_after_the_capture_a_deferred_block_needs_no_event_for_captured_uses():
     sim, alloc = make()
     s, side = sim.create_stream(), sim.create_stream()
@@ -306,6 +316,7 @@ def test_after_the_capture_a_deferred_block_needs_no_event_for_captured_uses():
         assert alloc.malloc(4 * KiB, s) == p
 
 
+@sim_only("counts backend calls (SimDevice.counters)")
 def test_a_pre_capture_stream_use_still_gets_its_event_after_the_capture():
     sim, alloc = make()
     s, side = sim.create_stream(), sim.create_stream()
@@ -525,6 +536,7 @@ OPTIONS = ["", REUSE, REUSE + ",graph_capture_cross_stream_reuse:True",
 OPS = ["alloc"] * 6 + ["use"] * 5 + ["free"] * 5 + ["join"] * 2 + ["mark", "alloc_big"]
 
 
+@sim_only("runs the reuse sanitizer (SimDevice(check_reuse=True)) on every block handed out")
 @settings(max_examples=int(os.environ.get("PYALLOC_SANITIZER_EXAMPLES", "150")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(config=st.sampled_from(OPTIONS),

@@ -5,7 +5,8 @@
 #                                   PyTorch, Numba, cuda.core, four frameworks in one process), again
 #                                   under PYALLOC_CONF=expandable_segments:True (and with
 #                                   recycle_pages:True), the conformance suite
-#                                   (tests/test_core.py on both backends, counts per backend, and
+#                                   (tests/backends.py's harness files on both backends, counts per
+#                                   backend, and
 #                                   the property machine on CudaDevice) and
 #                                   CuPy's own test files in .cupy_tests/ with and without pyalloc
 #   bash tools/gpu-round.sh bench   PyTorch's torch.empty through pyalloc against native, the training
@@ -51,8 +52,10 @@ tests)
         -p no:cacheprovider tests/test_cuda_gpu.py tests/test_cupy_gpu.py tests/test_cupy_graph_gpu.py \
         tests/test_frameworks_gpu.py tests/test_stream_lifetime_gpu.py tests/test_recycle_pages_gpu.py \
         2>&1 | tail -12
-    echo "== conformance suite: tests/test_core.py on SimDevice and on the GPU"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/test_core.py \
+    echo "== conformance suite: the harness files on SimDevice and on the GPU"
+    HARNESS="tests/test_core.py tests/test_pools.py tests/test_history.py tests/test_graphs.py
+             tests/test_stream_lifetime.py tests/test_expandable.py"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short $HARNESS \
         --junitxml="$OUT/conformance.xml" 2>&1 | tail -8
     python3 - "$OUT/conformance.xml" <<'PY' 2>&1 | tail -1
 import collections, sys, xml.etree.ElementTree as E
