@@ -409,10 +409,12 @@ def test_expandable_segments_reserve_map_unmap_and_release_in_relaxed_mode(resul
 def test_recycle_pages_unmaps_and_maps_the_same_handles_without_creating(results):
     v = value(results, "recycle_pages_maps_kept_handles_again")
     # (the marks of the three growths are queried first, to know whether the hole's work is over;
-    # the pages are taken before the new segment's address space is reserved)
-    assert v["grow"] == ["cuEventQuery"] * 3 + ["cuMemUnmap", "cuMemGetInfo", "cuMemAddressReserve", "cuMemMap",
+    # they were recorded before its free, so a mark on the hole's stream is recorded and queried:
+    # that stream is idle, so nothing waits; the pages are taken before the new segment's address
+    # space is reserved)
+    assert v["grow"] == ["cuEventQuery"] * 4 + ["cuMemUnmap", "cuMemGetInfo", "cuMemAddressReserve", "cuMemMap",
                          "cuMemMap", "cuMemMap", "cuMemSetAccess"]
-    assert v["used"][0] == v["used"][1] and v["remaps"] == 3
+    assert v["used"][0] == v["used"][1] and v["remaps"] == 3 and v["grow_syncs"] == 0
 
 
 def test_recycle_pages_reserved_bytes_are_the_drivers_physical_memory(results):
