@@ -685,10 +685,10 @@ def recycle_pages_maps_kept_handles_again():
     a.free(hole)
     used = fake.fake_used(0)
     fake.fake_log_reset()
-    syncs = count("cuCtxSynchronize")
+    syncs = count("ctx_synchronize")
     ptr = a.malloc(6 * MiB, stream=92)
     grow_log = [e.split("@")[0] for e in driver_log() if not e.startswith("exchange")]
-    out = {"grow": grow_log, "grow_syncs": count("cuCtxSynchronize") - syncs,
+    out = {"grow": grow_log, "grow_syncs": count("ctx_synchronize") - syncs,
            "used": [used, fake.fake_used(0)],
            "reserved": [a.memory_reserved(), fake.fake_used(0) - base],
            "remaps": a.memory_stats()["num_page_remaps"]}

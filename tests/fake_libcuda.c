@@ -167,6 +167,7 @@ static int valid_node(const struct node *n) {
 }
 
 static long calls_host_alloc, calls_host_free, calls_host_register, calls_host_unregister;
+static long calls_ctx_synchronize;
 
 static int should_fail(const char *name) {
     if (fail_code && strcmp(fail_name, name) == 0) {
@@ -487,6 +488,7 @@ CUresult cuStreamSynchronize(uintptr_t stream) {
 
 CUresult cuCtxSynchronize(void) {
     if (!current) return ERR_INVALID_CONTEXT;
+    calls_ctx_synchronize++;
     for (int i = 0; i < n_streams; i++) {             /* destroyed streams' work too */
         if (!streams[i].used) continue;
         streams[i].completed = streams[i].launched;
@@ -888,6 +890,7 @@ long fake_count(const char *what) {
     if (!strcmp(what, "mapped_live")) return mapped_live;
     if (!strcmp(what, "host_alloc")) return calls_host_alloc;
     if (!strcmp(what, "host_free")) return calls_host_free;
+    if (!strcmp(what, "ctx_synchronize")) return calls_ctx_synchronize;
     if (!strcmp(what, "host_register")) return calls_host_register;
     if (!strcmp(what, "host_unregister")) return calls_host_unregister;
     return -1;
