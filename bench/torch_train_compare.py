@@ -8,6 +8,7 @@ torch.cuda.max_memory_reserved; pyalloc: pyalloc.max_memory_reserved, which coun
 pyalloc's segments for the device), and the median step time of each with pyalloc / native.
 
 Run on the GPU machine:  python bench/torch_train_compare.py [--steps 200] [--rounds 3] [--json out.json]
+                                                       [--pyalloc-cap-mib N]
 """
 import argparse
 import json
@@ -24,6 +25,9 @@ import torch
 if kind == "pyalloc":
     import pyalloc, pyalloc.torch as pt
     pt.install()
+    cap = int(os.environ.get("TRAIN_PYALLOC_CAP_MIB", "0"))   # --pyalloc-cap-mib
+    if cap:
+        pyalloc.set_per_process_memory_fraction(cap * 2**20 / torch.cuda.get_device_properties(0).total_memory, 0)
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True, warn_only=True)
 torch.backends.cuda.enable_flash_sdp(False)          # the math attention kernels: deterministic
@@ -81,7 +85,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="write the figures here too")
+    parser.add_argument("--pyalloc-cap-mib", type=int, default=0,
+                        help="cap pyalloc's device memory at this many MiB "
+                             "(pyalloc.set_per_process_memory_fraction; native runs uncapped)")
     args = parser.parse_args(argv)
+    os.environ["TRAIN_PYALLOC_CAP_MIB"] = str(args.pyalloc_cap_mib)
     runs = {"native": [], "pyalloc": []}
     for r in range(args.rounds):
         for kind in (("native", "pyalloc") if r % 2 == 0 else ("pyalloc", "native")):
