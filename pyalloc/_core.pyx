@@ -9,8 +9,9 @@ core work on:
 * _ladder: the slow path and the out-of-memory ladder, and its dry run (the same code);
 * _routing: private pools and the routes into them; _capture: frees during a graph capture;
 * _events: cross-stream events and stream lifetime; _introspect: statistics, copies, invariants;
-* _policy.pxd and _state.pxd: every decision about one request, and the commit steps (the only
-  code that changes statistics and writes trace entries); _expandable: expandable segments.
+* _policy.pxd, _state.pxd and _blocks.pxd: every decision about one request, the commit steps (the
+  only code that changes statistics and writes trace entries), and the block surgery (split, take,
+  merge); _expandable: expandable segments.
 
 Locking: every public method takes the allocator's one C-level recursive mutex. The GIL is
 released while waiting for it, so a thread that holds the mutex and has released the GIL inside a
@@ -748,8 +749,6 @@ pyalloc_set_tp_clear(<PyObject*>DeviceCachingAllocator, clear_allocator)
 #
 # What the methods (and Buffer) run around the cache hit: the history recorder, the lock, the
 # out-of-memory error, and Buffer ownership.
-
-# commit_free_completed). Everything else is the slow path below.
 
 cdef inline Block* allocate_block(DeviceCachingAllocator a, size_t size, uintptr_t stream) except? NULL:
     """The block handed out for a validated request (NULL for 0 bytes); OutOfMemoryError."""

@@ -17,6 +17,7 @@ from pyalloc._types cimport (AllocatorLock, ActiveMap, Block, BlockPool, Capture
                              CoreState, MempoolId, PrivatePool, Route, ROUTE_CAPTURE)
 from pyalloc._backend cimport Backend
 from pyalloc._state cimport commit_alloc, commit_free_completed
+from pyalloc._blocks cimport merge_free_block
 
 ctypedef pair[uintptr_t, Block*] EventEntry          # (event, block waiting on it)
 ctypedef deque[EventEntry] EventQueue                 # one stream's events, oldest first
@@ -203,3 +204,4 @@ cdef inline void free_completed(DeviceState* a, Block* b) noexcept:
         a.capture_uses.erase(b)
     a.active_blocks.erase(b.ptr)
     commit_free_completed(&a.st, b, 0)
+    merge_free_block(&a.st, b)

@@ -26,9 +26,10 @@ from cython.operator cimport dereference as deref, preincrement as inc, predecre
 
 from pyalloc._types cimport (Block, BlockPool, BlockSet, CoreState, EpochMark, ExpandableSegment,
                              UnmappedSet)
-from pyalloc._policy cimport (is_free, new_block, retire_block, absorb_neighbour, pool_insert,
-                              reservation_size, kSmallBuffer, kLargeBuffer)
-from pyalloc._state cimport commit_map, commit_unmap, commit_page_pool, commit_page_pool_release
+from pyalloc._policy cimport is_free, reservation_size, kSmallBuffer, kLargeBuffer
+from pyalloc._blocks cimport new_block, retire_block, absorb_neighbour, pool_insert, split_block
+from pyalloc._state cimport (commit_map, commit_unmap, commit_page_pool, commit_page_pool_release,
+                             commit_remaps, commit_device_allocation)
 from pyalloc._backend cimport Backend, BACKEND_OOM
 
 cdef extern from *:
@@ -388,7 +389,6 @@ cdef int put_back(CoreState* st, Backend backend, vector[Taken]* taken) except -
     cdef Block key
     cdef UnmappedSet.iterator it
     cdef Block* u
-    cdef Block* head
     cdef Taken t
     cdef size_t i = taken.size()
     cdef BlockPool* pool
@@ -404,21 +404,10 @@ cdef int put_back(CoreState* st, Backend backend, vector[Taken]* taken) except -
         if u.ptr < t.lo:
             # Split the unmapped block at lo: its head stays unmapped, before it.
             pool.unmapped.erase(u)
-            head = new_block(st, u.stream, t.lo - u.ptr, pool, u.ptr)
-            head.mapped = False
-            head.expandable = True
-            head.segment = t.seg
-            head.prev = u.prev
-            head.next = u
-            if u.prev != NULL:
-                u.prev.next = head
-            u.prev = head
-            u.size -= t.lo - u.ptr
-            u.ptr = t.lo
-            pool.unmapped.insert(head)
+            pool.unmapped.insert(split_block(st, u, t.lo - u.ptr, True))
             pool.unmapped.insert(u)
         if map_block(st, backend, u, t.hi - t.lo):
-            st.page_remaps -= <int64_t>((t.hi - t.lo) // t.seg.page_size)
+            commit_remaps(st, -<int64_t>((t.hi - t.lo) // t.seg.page_size))
     taken.clear()
     return 0
 
@@ -477,8 +466,7 @@ cdef int find_expandable_block(CoreState* st, Backend backend, BlockPool* pool, 
     seg.pool = pool
     seg.mapped = 0
     st.expandable_segments.push_back(seg)
-    if pool.owner != NULL:
-        pool.owner.device_allocations += 1      # the reservation, until its release below
+    commit_device_allocation(st, pool, 1)      # the reservation, until its release below
     candidate = new_block(st, stream, va_size, pool, base)
     candidate.mapped = False
     candidate.expandable = True
@@ -535,20 +523,10 @@ cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) e
     own.resize(own.size() - from_own)
     other.resize(other.size() - (reuse - from_own))
     pool.unmapped.erase(to_map)
-    to_map.mapped = True
-    cdef Block* rest
     if mapped < to_map.size:
-        rest = new_block(st, to_map.stream, to_map.size - mapped, pool, to_map.ptr + mapped)
-        rest.mapped = False
-        rest.expandable = True
-        rest.segment = seg
-        rest.prev = to_map
-        rest.next = to_map.next
-        if rest.next != NULL:
-            rest.next.prev = rest
-        to_map.next = rest
-        to_map.size = mapped
-        pool.unmapped.insert(rest)
+        # The range past the mapped pages stays unmapped, a block of its own after to_map.
+        pool.unmapped.insert(split_block(st, to_map, to_map.size - mapped, False))
+    to_map.mapped = True
     cdef uintptr_t mapped_at = to_map.ptr
     merge_into(st, to_map, to_map.prev)
     merge_into(st, to_map, to_map.next)
@@ -558,7 +536,7 @@ cdef int map_block(CoreState* st, Backend backend, Block* to_map, size_t size) e
         commit_page_pool(st, pool, pool.is_small, -<int64_t>(from_own * page))
     if reuse > from_own:
         commit_page_pool(st, pool, not pool.is_small, -<int64_t>((reuse - from_own) * page))
-    st.page_remaps += reuse
+    commit_remaps(st, <int64_t>reuse)
     commit_map(st, pool, mapped_at, mapped, to_map.stream, created)
     return 1
 
@@ -611,25 +589,12 @@ cdef int grow(CoreState* st, Backend backend, BlockPool* pool, uintptr_t stream,
     return 0
 
 
-cdef void split_off_mapped(CoreState* st, Block* b, uintptr_t ptr, size_t size, bint before) noexcept:
-    """Link a free mapped block for [ptr, ptr + size) just before or after b (same segment)
-    and put it in the pool; b's own range is the caller's to adjust."""
-    cdef Block* piece = new_block(st, b.stream, size, b.pool, ptr)
-    piece.expandable = True
-    piece.segment = b.segment
+cdef void split_off_free(CoreState* st, Block* b, size_t size, bint front) noexcept:
+    """Cut the first (`front`) or last `size` bytes of free mapped block `b` (out of its pool)
+    into a free block of their own, in the pool. Its pages' uses ended with b's: it inherits b's
+    free_epoch, so that recycle_pages may still unmap them without waiting."""
+    cdef Block* piece = split_block(st, b, size, front)
     piece.free_epoch = b.free_epoch
-    if before:
-        piece.prev = b.prev
-        piece.next = b
-        if b.prev != NULL:
-            b.prev.next = piece
-        b.prev = piece
-    else:
-        piece.next = b.next
-        piece.prev = b
-        if b.next != NULL:
-            b.next.prev = piece
-        b.next = piece
     pool_insert(b.pool, piece)
 
 
@@ -668,12 +633,10 @@ cdef int unmap_range(CoreState* st, Backend backend, Block* b, uintptr_t first, 
         backend.vm_unmap(first, last - first, page)
     pool.blocks.erase(b)
     if first > b.ptr:
-        split_off_mapped(st, b, b.ptr, first - b.ptr, True)
+        split_off_free(st, b, first - b.ptr, True)
     if b.ptr + b.size > last:
-        split_off_mapped(st, b, last, b.ptr + b.size - last, False)
-    b.ptr = first
-    b.size = last - first
-    b.mapped = False
+        split_off_free(st, b, b.ptr + b.size - last, False)
+    b.mapped = False                    # b is [first, last) now
     merge_into(st, b, b.prev)
     merge_into(st, b, b.next)
     pool.unmapped.insert(b)
@@ -720,8 +683,7 @@ cdef int release_reservation(CoreState* st, Backend backend, Block* b) except -1
             break
     free_segment_struct(seg)
     retire_block(st, b)
-    if pool.owner != NULL:
-        pool.owner.device_allocations -= 1
+    commit_device_allocation(st, pool, -1)
     return 0
 
 

@@ -7,11 +7,13 @@
 # the GIL, and otherwise answer "not served" with nothing changed.
 #
 # malloc: allocator_malloc -> (get_free_block, take_block, hand_out -> commit_alloc);
-# free: allocator_free -> free_unused_block -> (commit_free_requested, commit_free_completed).
+# free: allocator_free -> free_unused_block -> (commit_free_requested, commit_free_completed,
+# merge_free_block).
 from libc.stdint cimport uintptr_t, uint32_t
 
 from pyalloc._types cimport Block, BlockPool, PrivatePool, likely, unlikely
-from pyalloc._policy cimport round_size, is_small_request, gc_enabled, get_free_block, take_block
+from pyalloc._policy cimport round_size, is_small_request, gc_enabled, get_free_block
+from pyalloc._blocks cimport take_block, merge_free_block
 from pyalloc._state cimport commit_free_requested, commit_free_completed
 from pyalloc._device cimport (DeviceState, backend_of, hand_out, stream_use_state, add_stream_use,
                               USE_NEW, USE_NEEDS_MEMORY)
@@ -102,6 +104,7 @@ cdef inline void free_unused_block(DeviceState* a, Block* b, uint32_t context_id
     commit_free_requested(&a.st, b, context_id)
     a.active_blocks.erase(b.ptr)
     commit_free_completed(&a.st, b, context_id)
+    merge_free_block(&a.st, b)
 
 
 # ------------------------------------------------------------------------------- C callers

@@ -16,11 +16,11 @@ from cython.operator cimport dereference as deref, preincrement as inc
 
 from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool, UnmappedSet, Stat,
                              StatRow, TraceEntry, stat_current, stat_peak, stat_allocated,
-                             single_freed, stat_freed, stat_reset_peak, stat_reset_accumulated,
-                             single_reset_accumulated, NUM_STATS, ST_ALLOCATED_BYTES, ST_ACTIVE,
+                             single_freed, stat_freed, NUM_STATS, ST_ALLOCATED_BYTES, ST_ACTIVE,
                              ST_ACTIVE_BYTES, ST_ALLOCATION, ST_REQUESTED_BYTES, ST_INACTIVE_SPLIT,
                              ST_INACTIVE_SPLIT_BYTES, ST_SEGMENT, ST_RESERVED_BYTES)
 from pyalloc._policy cimport kMinBlockSize, kSizeMax, kSmallBuffer, is_free
+from pyalloc._state cimport commit_reset_peaks, commit_reset_accumulated
 from pyalloc._device cimport DeviceState, lock_device, find_route
 from pyalloc._expandable cimport free_segment_structs, page_pool_counts
 from cpython.object cimport PyObject
@@ -335,25 +335,14 @@ cdef dict memory_stats(DeviceState* a):
 cdef void reset_peak_memory_stats(DeviceState* a) noexcept:
     """Set every statistic's peak to its current value."""
     lock_device(a)
-    for k in range(NUM_STATS):
-        stat_reset_peak(&a.st.stats[k])
-    a.st.oversize_allocations.peak = a.st.oversize_allocations.current
-    a.st.oversize_segments.peak = a.st.oversize_segments.current
+    commit_reset_peaks(&a.st)
     a.mutex.unlock()
 
 
 cdef void reset_accumulated_memory_stats(DeviceState* a) noexcept:
     """Zero the cumulative allocated/freed counts and the retry/OOM/sync/device counters."""
     lock_device(a)
-    for k in range(NUM_STATS):
-        stat_reset_accumulated(&a.st.stats[k])
-    single_reset_accumulated(&a.st.oversize_allocations)
-    single_reset_accumulated(&a.st.oversize_segments)
-    a.st.num_alloc_retries = 0
-    a.st.num_ooms = 0
-    a.st.num_sync_all_streams = 0
-    a.st.num_device_alloc = 0
-    a.st.num_device_free = 0
+    commit_reset_accumulated(&a.st)
     a.mutex.unlock()
 
 

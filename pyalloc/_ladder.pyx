@@ -21,8 +21,8 @@ from pyalloc._types cimport (Block, BlockPool, BlockSet, MempoolId, PrivatePool,
                              sort_best_fit,
                              ST_ALLOCATED_BYTES, ST_RESERVED_BYTES)
 from pyalloc._policy cimport (kSizeMax, round_size, is_small_request, segment_size_for, gc_enabled,
-                              get_free_block, take_block, new_block, retire_block, is_oversize,
-                              oversize_release_target)
+                              get_free_block, is_oversize, oversize_release_target)
+from pyalloc._blocks cimport take_block, new_block, retire_block
 from pyalloc._state cimport commit_segment_alloc, commit_segment_free, commit_retry, commit_oom
 from pyalloc._expandable cimport (try_allocate_expandable_block, unmap_block, expandable_growth_bytes,
                                   whole_pages, mapped_bytes, release_page_pool, page_pool_bytes)

@@ -1,15 +1,15 @@
 # The policy: every decision PyTorch's allocator makes about one request, as inline functions over
-# C structs (rounding, pool size class, segment size, best fit, should-split, split, merge).
-# cimported by every module that needs a decision, and inlined there, so the cache-hit path in
-# _core.pyx is these functions plus the commit steps of _state.pxd.
+# C structs (rounding, pool size class, segment size, best fit, should-split, the oversize rule).
+# The only reader of max_split_size and its sibling settings. It decides and changes nothing: the
+# block surgery that carries a decision out is _blocks.pxd's, the statistics _state.pxd's. cimported
+# by every module that needs a decision, and inlined there, so the cache-hit path in _hot.pxd is
+# these functions, _blocks.pxd's take and merge and the commit steps of _state.pxd.
 # Reference: PyTorch's c10/cuda/CUDACachingAllocator.cpp (round_size, get_pool, get_free_block,
-# should_split, malloc's split and free_block's merge).
-from libc.stdint cimport uintptr_t, int64_t
-from libcpp.vector cimport vector
+# should_split).
+from libc.stdint cimport uintptr_t
 from cython.operator cimport dereference as deref, preincrement as inc
 
-from pyalloc._types cimport (Block, BlockPool, BlockSet, CoreState, Settings, stat_pool, unlikely,
-                             ST_INACTIVE_SPLIT, ST_INACTIVE_SPLIT_BYTES)
+from pyalloc._types cimport Block, BlockPool, BlockSet, Settings, unlikely
 
 cdef extern from *:
     """
@@ -133,20 +133,6 @@ cdef inline size_t expandable_size(Block* b) noexcept nogil:
     return b.size + (b.next.size if b.next != NULL and not b.next.mapped else 0)
 
 
-cdef inline void gc_track(BlockPool* pool, Block* b) noexcept nogil:
-    """List `b`, just (re)inserted into `pool`, among the garbage collector's candidates when it
-    is one: a whole segment (unsplit, not expandable) of a large pool."""
-    if not pool.is_small and not b.expandable and not b.is_split():
-        pool.gc_add(b)
-
-
-cdef inline void pool_insert(BlockPool* pool, Block* b) noexcept nogil:
-    # Every (re)insertion restarts the block's garbage-collection age.
-    b.gc_count_base = pool.get_free_blocks_call_count
-    pool.blocks.insert(b)
-    gc_track(pool, b)
-
-
 cdef inline Block* get_free_block(const Settings* s, BlockPool* pool, uintptr_t stream,
                                   size_t size) noexcept nogil:
     """Best fit: the smallest free block of `stream` that fits, subject to the oversize rules.
@@ -188,168 +174,3 @@ cdef inline bint should_split(const Settings* s, Block* b, size_t size) noexcept
     if b.pool.is_small or s.expandable_segments:
         return remaining >= kMinBlockSize
     return size < s.max_split_size and remaining > kSmallSize
-
-
-# ------------------------------------------------------------------------------- block objects
-
-cdef inline Block* new_block(CoreState* st, uintptr_t stream, size_t size, BlockPool* pool,
-                             uintptr_t ptr) noexcept nogil:
-    """A Block for [ptr, ptr + size) of `pool`, recycled when one is spare (no operator new on
-    the cache-hit path)."""
-    cdef Block* b
-    if unlikely(st.spare_blocks.empty()):
-        b = new Block()
-    else:
-        b = st.spare_blocks.back()
-        st.spare_blocks.pop_back()
-    b.stream = stream
-    b.size = size
-    b.ptr = ptr
-    b.pool = pool
-    b.requested_size = 0
-    b.prev = NULL
-    b.next = NULL
-    b.allocated = False
-    b.mapped = True
-    b.expandable = False
-    b.buffer_owned = False
-    b.segment = NULL
-    b.event_count = 0
-    b.gc_count_base = 0
-    b.stream_uses.clear()
-    b.metadata_id = 0
-    b.context_id = 0
-    b.segment_context_id = 0
-    return b
-
-
-cdef inline void retire_block(CoreState* st, Block* b) noexcept nogil:
-    st.spare_blocks.push_back(b)
-
-
-# ------------------------------------------------------------------------------- split and merge
-
-cdef inline void absorb_neighbour(Block* dst, Block* src) noexcept nogil:
-    """dst takes over the byte range of its neighbour src in the segment's block list.
-
-    List surgery only: pools, statistics and src's Block object are the caller's (the free path
-    and the expandable map/unmap paths handle those differently). A range absorbed from below
-    brings the segment's allocation stack along, which only a segment's head block carries.
-    """
-    if dst.prev == src:
-        dst.ptr = src.ptr
-        dst.prev = src.prev
-        if dst.prev != NULL:
-            dst.prev.next = dst
-        if src.segment_context_id:
-            dst.segment_context_id = src.segment_context_id
-    else:
-        dst.next = src.next
-        if dst.next != NULL:
-            dst.next.prev = dst
-    dst.size += src.size
-    if src.free_epoch > dst.free_epoch:
-        dst.free_epoch = src.free_epoch    # the range's uses end with the later of the two
-
-
-cdef inline Block* take_block(CoreState* st, Block* b, bint in_pool, size_t size) noexcept nogil:
-    """Take `size` bytes out of free block `b` for a hand-out, splitting off the unused tail
-    when should_split says so; returns the block to hand out (b itself, or its new front part).
-
-    `in_pool`: b is a cached block still in its pool (else a new segment's block). Updates the
-    inactive-split statistics (not for expandable segments, as PyTorch).
-    """
-    cdef BlockPool* pool = b.pool
-    cdef Block* remaining
-    cdef bint already_split = b.is_split()
-    if unlikely(b.gc_listed):
-        pool.gc_remove(b)       # handed out, or split: no longer a GC candidate either way
-    if should_split(&st.settings, b, size):
-        # The front part is handed out as a new Block; the remainder keeps its Block, shifted,
-        # and its place in the pool when it still sorts there (no tree update at all).
-        remaining = b
-        b = new_block(st, remaining.stream, size, pool, remaining.ptr)
-        b.expandable = remaining.expandable
-        b.segment = remaining.segment
-        b.prev = remaining.prev
-        if b.prev != NULL:
-            b.prev.next = b
-        elif remaining.segment_context_id:
-            # The front part now heads the segment: it carries the segment's allocation stack
-            # (only a head holds one, so merges never drop it).
-            b.segment_context_id = remaining.segment_context_id
-            remaining.segment_context_id = 0
-        b.next = remaining
-        remaining.prev = b
-        remaining.ptr += size
-        remaining.size -= size
-        remaining.gc_count_base = pool.get_free_blocks_call_count
-        if in_pool:
-            pool.blocks.reposition_smaller(remaining)
-        else:
-            pool.blocks.insert(remaining)
-        if not b.expandable:
-            if already_split:
-                stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
-            else:
-                stat_pool(&st.stats[ST_INACTIVE_SPLIT], pool.is_small, 1)
-                stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, <int64_t>remaining.size)
-    else:
-        if in_pool:
-            pool.blocks.erase(b)
-        if already_split and not b.expandable:
-            stat_pool(&st.stats[ST_INACTIVE_SPLIT], pool.is_small, -1)
-            stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, -<int64_t>b.size)
-    return b
-
-
-cdef inline Block* merge_free_block(CoreState* st, Block* b) noexcept nogil:
-    """Put block `b`, whose uses are all over, back into its pool, merged with free neighbours;
-    returns the block that now holds the merged range.
-
-    Free neighbours are already in the pool. The merged range is kept in one of their Block
-    objects (the lower one), which then only needs repositioning; `b` and any second neighbour
-    are retired. Updates the inactive-split statistics (not for expandable segments).
-    """
-    cdef BlockPool* pool = b.pool
-    cdef int64_t split_blocks_delta = 0
-    cdef int64_t split_bytes_delta = 0
-    cdef Block* prev = b.prev if mergeable(b, b.prev) else NULL
-    cdef Block* next = b.next if mergeable(b, b.next) else NULL
-    cdef Block* merged
-    if prev == NULL and next == NULL:
-        merged = b
-        b.context_id = 0
-        b.metadata_id = 0
-        b.requested_size = 0
-        pool_insert(pool, b)
-    else:
-        merged = prev if prev != NULL else next
-        if prev != NULL and next != NULL:
-            pool.blocks.erase(next)
-        # The neighbours' sizes leave the inactive-split count; the merged range re-enters it
-        # below if it is still split.
-        if prev != NULL:
-            split_bytes_delta -= <int64_t>prev.size
-            absorb_neighbour(prev, b)        # prev heads the range and keeps its context
-        else:
-            split_bytes_delta -= <int64_t>next.size
-            absorb_neighbour(next, b)        # next becomes the head of the range
-        split_blocks_delta -= 1
-        if prev != NULL and next != NULL:
-            split_bytes_delta -= <int64_t>next.size
-            absorb_neighbour(prev, next)
-            split_blocks_delta -= 1
-            retire_block(st, next)
-        retire_block(st, b)
-        merged.gc_count_base = pool.get_free_blocks_call_count
-        pool.blocks.reposition_larger(merged)
-        gc_track(pool, merged)      # the neighbours were split, so none of them was listed
-    merged.free_epoch = st.free_epoch      # b's uses are the range's latest
-    if merged.is_split():
-        split_blocks_delta += 1
-        split_bytes_delta += <int64_t>merged.size
-    if not merged.expandable:
-        stat_pool(&st.stats[ST_INACTIVE_SPLIT], pool.is_small, split_blocks_delta)
-        stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], pool.is_small, split_bytes_delta)
-    return merged

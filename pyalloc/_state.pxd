@@ -1,15 +1,20 @@
-# The commit steps: the one place where an allocation, a free or a segment change updates the
-# statistics and writes its trace entry. Inline functions over CoreState, used by _core.pyx (the
-# hot path) and _expandable.pyx (page maps and unmaps), so a statistic cannot drift between them.
+# The commit steps: the one place where an allocation, a free, a split or merge or a segment change
+# updates the statistics and writes its trace entry. Inline functions over CoreState, used by
+# _hot.pxd (the cache hit), _blocks.pxd (split and merge), _ladder.pyx and _expandable.pyx (page
+# maps and unmaps), so a statistic cannot drift between them. Statistics change nowhere else
+# (tests/test_stat_writes.py checks the sources). Whether a block is oversize is the policy's
+# answer (is_oversize): max_split_size is read there alone.
 from libc.stdint cimport uintptr_t, int64_t, uint32_t
 
 from pyalloc._types cimport (Block, BlockPool, CoreState, trace_record, unlikely, stat_add, stat_up, stat_down,
-                             stat_pool, stat_move, ST_ALLOCATION, ST_SEGMENT, ST_ACTIVE, ST_ALLOCATED_BYTES,
-                             ST_RESERVED_BYTES, ST_ACTIVE_BYTES, ST_REQUESTED_BYTES, TR_ALLOC,
+                             stat_pool, stat_move, stat_reset_peak, stat_reset_accumulated,
+                             single_reset_accumulated, NUM_STATS,
+                             ST_ALLOCATION, ST_SEGMENT, ST_ACTIVE, ST_ALLOCATED_BYTES,
+                             ST_RESERVED_BYTES, ST_ACTIVE_BYTES, ST_REQUESTED_BYTES, ST_INACTIVE_SPLIT,
+                             ST_INACTIVE_SPLIT_BYTES, TR_ALLOC,
                              TR_FREE_REQUESTED, TR_FREE_COMPLETED, TR_SEGMENT_ALLOC,
                              TR_SEGMENT_FREE, TR_SEGMENT_MAP, TR_SEGMENT_UNMAP, TR_OOM)
-from pyalloc._policy cimport merge_free_block, is_oversize
-
+from pyalloc._policy cimport is_oversize
 
 cdef inline void trace(CoreState* st, int action, uintptr_t addr, size_t size, uintptr_t stream,
                        uint32_t context_id) noexcept nogil:
@@ -60,20 +65,50 @@ cdef inline void commit_free_requested(CoreState* st, Block* b, uint32_t context
         stat_add(&st.oversize_allocations, -1)
 
 
-cdef inline Block* commit_free_completed(CoreState* st, Block* b, uint32_t context_id) noexcept nogil:
-    """Every use of `b` is over: it returns to its pool, merged with free neighbours (the block
-    holding the merged range is returned). The caller has taken it out of the active map."""
+cdef inline void commit_free_completed(CoreState* st, Block* b, uint32_t context_id) noexcept nogil:
+    """Every use of `b` is over: it is about to return to its pool (the caller merges it next,
+    with _blocks.merge_free_block, and has taken it out of the active map)."""
     if unlikely(st.history_on):
         trace(st, TR_FREE_COMPLETED, b.ptr, b.requested_size, b.stream,
               context_id if context_id else b.context_id)
     cdef int slot = pool_slot(b.pool)
-    cdef int64_t size = <int64_t>b.size
-    cdef int64_t requested = <int64_t>b.requested_size
-    cdef Block* merged = merge_free_block(st, b)
     stat_down(&st.stats[ST_ACTIVE], slot, 1)
-    stat_down(&st.stats[ST_ACTIVE_BYTES], slot, size)
-    stat_down(&st.stats[ST_REQUESTED_BYTES], slot, requested)
-    return merged
+    stat_down(&st.stats[ST_ACTIVE_BYTES], slot, <int64_t>b.size)
+    stat_down(&st.stats[ST_REQUESTED_BYTES], slot, <int64_t>b.requested_size)
+
+
+# inactive_split / inactive_split_bytes: the free blocks of split segments and their bytes, by
+# size class. Not counted for expandable segments, as PyTorch.
+
+cdef inline void commit_split(CoreState* st, Block* handed, Block* remaining,
+                              bint already_split) noexcept nogil:
+    """Free block `remaining` gave its first bytes to `handed`, a block about to be handed out;
+    `already_split`: the free block was a split one before (so it was counted already)."""
+    if handed.expandable:
+        return
+    if already_split:
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], handed.pool.is_small, -<int64_t>handed.size)
+    else:
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT], handed.pool.is_small, 1)
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], handed.pool.is_small, <int64_t>remaining.size)
+
+
+cdef inline void commit_take(CoreState* st, Block* b, bint already_split) noexcept nogil:
+    """Free block `b` is handed out whole (unsplit); `already_split`: it is part of a split
+    segment, so it leaves the inactive-split count."""
+    if already_split and not b.expandable:
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT], b.pool.is_small, -1)
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], b.pool.is_small, -<int64_t>b.size)
+
+
+cdef inline void commit_merge(CoreState* st, Block* merged, int64_t split_blocks,
+                              int64_t split_bytes) noexcept nogil:
+    """A freed block returned to its pool as (part of) free block `merged`: the inactive-split
+    count changes by `split_blocks` blocks and `split_bytes` bytes (the merged neighbours left
+    it, the merged range re-entered it if still split)."""
+    if not merged.expandable:
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT], merged.pool.is_small, split_blocks)
+        stat_pool(&st.stats[ST_INACTIVE_SPLIT_BYTES], merged.pool.is_small, split_bytes)
 
 
 cdef inline void commit_device_memory(CoreState* st, BlockPool* pool, int64_t delta) noexcept nogil:
@@ -88,11 +123,18 @@ cdef inline void commit_device_memory(CoreState* st, BlockPool* pool, int64_t de
         st.num_device_free += 1
 
 
+cdef inline void commit_device_allocation(CoreState* st, BlockPool* pool, int delta) noexcept nogil:
+    """A segment, or an expandable segment's address space, of `pool` was allocated (delta 1)
+    or given back (-1): a private pool counts them as its device allocations, which keep it
+    alive while any is left."""
+    if pool.owner != NULL:
+        pool.owner.device_allocations += delta
+
+
 cdef inline void commit_segment_alloc(CoreState* st, Block* segment, uint32_t context_id) noexcept nogil:
     """A new device segment, whole in block `segment`, joins its pool."""
     commit_device_memory(st, segment.pool, <int64_t>segment.size)
-    if segment.pool.owner != NULL:
-        segment.pool.owner.device_allocations += 1
+    commit_device_allocation(st, segment.pool, 1)
     stat_pool(&st.stats[ST_SEGMENT], segment.pool.is_small, 1)
     if is_oversize(&st.settings, segment.size):
         stat_add(&st.oversize_segments, 1)
@@ -103,8 +145,7 @@ cdef inline void commit_segment_alloc(CoreState* st, Block* segment, uint32_t co
 cdef inline void commit_segment_free(CoreState* st, Block* segment) noexcept nogil:
     """The segment that is all of block `segment` went back to the device."""
     commit_device_memory(st, segment.pool, -<int64_t>segment.size)
-    if segment.pool.owner != NULL:
-        segment.pool.owner.device_allocations -= 1
+    commit_device_allocation(st, segment.pool, -1)
     stat_pool(&st.stats[ST_SEGMENT], segment.pool.is_small, -1)
     if is_oversize(&st.settings, segment.size):
         stat_add(&st.oversize_segments, -1)
@@ -173,3 +214,33 @@ cdef inline void commit_page_pool_release(CoreState* st, bint counted_small, siz
     st.total_allocated_memory -= size
     stat_pool(&st.stats[ST_RESERVED_BYTES], counted_small, -<int64_t>size)
     st.num_device_free += 1
+
+
+cdef inline void commit_remaps(CoreState* st, int64_t pages) noexcept nogil:
+    """recycle_pages: `pages` pages were mapped again from the page pool (negative: a failed
+    growth put them back where they came from, so they do not count)."""
+    st.page_remaps += pages
+
+
+cdef inline void commit_reset_peaks(CoreState* st) noexcept nogil:
+    """reset_peak_memory_stats: every statistic's peak becomes its current value."""
+    cdef int k
+    for k in range(NUM_STATS):
+        stat_reset_peak(&st.stats[k])
+    st.oversize_allocations.peak = st.oversize_allocations.current
+    st.oversize_segments.peak = st.oversize_segments.current
+
+
+cdef inline void commit_reset_accumulated(CoreState* st) noexcept nogil:
+    """reset_accumulated_memory_stats: the cumulative allocated/freed counts and the
+    retry/OOM/sync/device counters start again from 0."""
+    cdef int k
+    for k in range(NUM_STATS):
+        stat_reset_accumulated(&st.stats[k])
+    single_reset_accumulated(&st.oversize_allocations)
+    single_reset_accumulated(&st.oversize_segments)
+    st.num_alloc_retries = 0
+    st.num_ooms = 0
+    st.num_sync_all_streams = 0
+    st.num_device_alloc = 0
+    st.num_device_free = 0

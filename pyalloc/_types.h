@@ -2,10 +2,11 @@
 // buffer and the per-allocator CoreState. Declared for Cython once, in _types.pxd.
 //
 // Only plain data, orderings, containers and the arithmetic of a statistic update live here; every
-// decision that uses them is written in _policy.pxd (best fit, split, merge), _state.pxd (which
-// statistics and trace entries change when) and _core.pyx (release, the OOM ladder, routing). The structs are C++ because the ordered sets need comparators and
-// node-pooling allocators, and the statistics helpers a forced-inline attribute, which Cython
-// cannot declare.
+// decision that uses them is written in _policy.pxd (best fit, should-split, oversize), _blocks.pxd
+// (split, merge), _state.pxd (which statistics and trace entries change when) and the modules over
+// DeviceState (_ladder: release, the OOM ladder; _routing). The structs are C++ because the
+// ordered sets need comparators and node-pooling allocators, and the statistics helpers a
+// forced-inline attribute, which Cython cannot declare.
 //
 // Vocabulary:
 //   segment  one device allocation (a cuMemAlloc, or later one mapped range of an expandable segment)
