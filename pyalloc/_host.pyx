@@ -240,9 +240,12 @@ cdef class HostCachingAllocator:
         stream the caller works on, PyTorch's current stream: while it captures a CUDA graph,
         no event is queried (PyTorch's query_event answers "not ready" during a capture) and
         the block is marked as used by the capture (see free). Raises CudaError when the driver
-        cannot allocate (nothing changed), ValueError/TypeError for a bad size."""
+        cannot allocate (nothing changed), ValueError/TypeError for a bad size, ValueError for
+        a destroyed stream."""
         cdef size_t n = request_size(nbytes)
         cdef uintptr_t s = 0 if stream is None else stream_handle(stream)
+        if s and not self.device.stream_alive(s):
+            raise ValueError(f"malloc: stream {s:#x} was destroyed")
         cdef uintptr_t ptr
         cdef unsigned int stack_id = 0
         if self.background_error is not None:
@@ -768,11 +771,13 @@ cdef class HostCachingAllocator:
 
     def close(self):
         """Stop the polling thread and free every cached block. Raises RuntimeError, changing
-        nothing, while blocks are in use or waiting for events."""
+        nothing, while blocks are in use, waiting for events or kept for a CUDA graph (state
+        "captured": kept for the process's life, as PyTorch keeps them)."""
         busy = [b for b in self.block_list() if b[2] != "free"]
         if busy:
-            raise RuntimeError(f"HostCachingAllocator.close: {len(busy)} blocks are in use or wait "
-                               f"for events (first: {busy[0][0]:#x}, {busy[0][1]} bytes)")
+            raise RuntimeError(f"HostCachingAllocator.close: {len(busy)} blocks are in use, wait "
+                               f"for events or are kept for a CUDA graph (first: {busy[0][0]:#x}, "
+                               f"{busy[0][1]} bytes, {busy[0][2]})")
         if self._stop is not None:
             self._stop.set()
             self._thread.join()

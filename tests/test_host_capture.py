@@ -180,3 +180,16 @@ def test_a_replayed_graph_never_sees_its_block_handed_out(dev, host):
     graph = dev.end_capture(s)
     dev.launch_graph(graph, s)              # queued: the sanitizer refuses any handout of p
     assert host.malloc(4096) != p
+
+
+def test_malloc_refuses_a_destroyed_stream_naming_it(dev, host):
+    s = dev.create_stream()
+    dev.destroy_stream(s)
+    with pytest.raises(ValueError, match=f"stream {s:#x} was destroyed"):
+        host.malloc(4096, s)
+
+
+def test_close_refuses_while_a_block_is_kept_for_a_graph(dev, host):
+    captured_copy_freed(dev, host, dev.create_stream())
+    with pytest.raises(RuntimeError, match="kept for a CUDA graph"):
+        host.close()

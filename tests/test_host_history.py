@@ -9,6 +9,8 @@ import pyalloc
 from pyalloc.host import HostAllocator
 from pyalloc.view import analyze
 
+MIB = 1 << 20
+
 
 @pytest.fixture
 def dev():
@@ -145,4 +147,10 @@ def test_pyalloc_view_reads_the_host_snapshot(host):
     assert (view.events, view.peaks["reserved"][0]) == (6, MIB + 4096)
 
 
-MIB = 1 << 20
+
+def test_torchs_memory_viz_reads_the_host_history(host):
+    memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    host.free(host.malloc(4096))
+    host.empty_cache()
+    text = memory_viz.trace(host.snapshot())
+    assert (text.count("cudaMalloc("), text.count("cudaFree(")) == (1, 1)
