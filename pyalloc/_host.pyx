@@ -274,7 +274,9 @@ cdef class HostCachingAllocator:
         cdef size_t size = power_of_two_ceil(n)
         cdef int index = size_index(size)
         cdef HostBlock* block
-        cdef bint capturing = self._capturing(stream)
+        # The legacy stream (the default) never captures: no backend call, nor the query's
+        # locals, on the default path.
+        cdef bint capturing = stream != 0 and self._capturing(stream)
         if not capturing and not self.use_background_threads and not self.events.empty():
             self._process_events(0)
         block = self._take_free(index)
@@ -397,7 +399,7 @@ cdef class HostCachingAllocator:
         self._make_reusable(block)
         return True
 
-    cdef void _make_reusable(self, HostBlock* block) noexcept:
+    cdef inline void _make_reusable(self, HostBlock* block) noexcept:
         """A freed block whose uses are over goes back to its free list (the end of its
         active_requests count, and of its free in the memory history)."""
         cdef int index = size_index(block.size)
@@ -510,7 +512,7 @@ cdef class HostCachingAllocator:
                 return True
         return False
 
-    cdef void _trace_free_requested(self, HostBlock* block, unsigned int stack_id) noexcept:
+    cdef inline void _trace_free_requested(self, HostBlock* block, unsigned int stack_id) noexcept:
         if self.trace.capacity:
             self.trace.push(H_FREE_REQUESTED, block.ptr, block.size, block.stream,
                             stack_id if stack_id else block.stack_id)
