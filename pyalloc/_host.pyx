@@ -10,6 +10,11 @@
 * completed events are collected at the start of each allocation (or, with
   pinned_use_background_threads, by a thread polling every 100 us, and for the requested size
   only on a miss);
+* CUDA-graph capture (PyTorch 2.13's rule): a block handed out while malloc's stream captures is
+  marked captured; freeing it records no event (an event recorded in a capture marks no real
+  completion, and querying one breaks the capture), so with record_event streams it is never
+  reused, without them it goes back to its free list; a malloc on a capturing stream queries no
+  event;
 * empty_cache frees only blocks in the free lists (idle), never one in use or waiting for events;
 * on a miss, memory comes from cuMemHostAlloc, or with pinned_use_cuda_host_register from malloc
   whose pages `pinned_num_register_threads` threads touch before cuMemHostRegister, or first from
@@ -17,7 +22,9 @@
   carved into 4 KiB-rounded blocks; a block carved from it is never freed (as in PyTorch, its
   range is not reused after empty_cache drops it).
 
-Statistics have PyTorch's host_memory_stats keys and meanings (see HostCachingAllocator.stats).
+Statistics have PyTorch 2.13's host_memory_stats keys and meanings (see HostCachingAllocator.stats).
+The memory history (HostAllocator.record_memory_history) keeps entries in the device allocator's
+format: alloc, free_requested, free_completed, segment_alloc (a block made), segment_free.
 Every operation completes or changes nothing when a backend call fails; the cache-hit pair
 (malloc then free, no stream recorded) makes no backend call and allocates no Python object
 beyond the returned int.
@@ -54,6 +61,9 @@ cdef extern from "_host_types.h" namespace "pyalloc_host" nogil:
         bint allocated
         size_t event_count
         int origin
+        bint captured
+        uintptr_t stream
+        unsigned int stack_id
         vector[uintptr_t] streams
     cdef cppclass Stat:
         int64_t current, peak, allocated, freed
@@ -77,6 +87,25 @@ cdef extern from "_host_types.h" namespace "pyalloc_host" nogil:
         PendingEvent& back()
         void pop_back()
         void push_front(PendingEvent&)
+    cdef enum HostAction:
+        H_ALLOC
+        H_FREE_REQUESTED
+        H_FREE_COMPLETED
+        H_SEGMENT_ALLOC
+        H_SEGMENT_FREE
+    cdef struct HostTraceEntry:
+        int action
+        uintptr_t addr
+        size_t size
+        uintptr_t stream
+        int64_t time_us
+        unsigned int stack_id
+    cdef cppclass HostTrace:
+        deque[HostTraceEntry] entries
+        size_t capacity
+        unsigned int skip_mask
+        void push(int action, uintptr_t addr, size_t size, uintptr_t stream, unsigned int stack_id)
+        void resize(size_t cap)
     const int kBuckets
     int size_index(size_t size)
     size_t power_of_two_ceil(size_t n)
@@ -87,9 +116,30 @@ cdef extern from "_host_types.h" namespace "pyalloc_host" nogil:
 cdef size_t RESERVE_ROUND = 4096
 cdef size_t MAX_BLOCK = (<size_t>1) << 60       # request_size refuses more
 
+# The memory history's actions, by HostAction value (the device allocator's names for them).
+HOST_TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free")
 
-def _stat_dict(int64_t current, int64_t peak, int64_t allocated, int64_t freed):
-    return {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
+
+cdef dict _stat_dict(Stat* st):
+    return {"current": st.current, "peak": st.peak, "allocated": st.allocated, "freed": st.freed}
+
+
+cdef void _add_bucket(Stat* total, Stat* bucket) noexcept:
+    """PyTorch's add_bucket_stats: per-size stats summed, peaks included."""
+    total.current += bucket.current
+    total.peak += bucket.peak
+    total.allocated += bucket.allocated
+    total.freed += bucket.freed
+
+
+cdef str _state(HostBlock* b):
+    """A block's state for block_list: "allocated", "captured" (freed after a use in a CUDA
+    graph, kept for good), "pending" (freed, events outstanding) or "free"."""
+    if b.allocated:
+        return "allocated"
+    if b.event_count:
+        return "captured" if b.captured else "pending"
+    return "free"
 
 
 cdef class HostCachingAllocator:
@@ -119,12 +169,13 @@ cdef class HostCachingAllocator:
     cdef vector[deque[HostBlock*]] free_list             # index: log2(block size)
     cdef EventQueue events                               # newest first; collected from the back
     cdef unordered_map[int, vector[uintptr_t]] event_pool   # device -> completed events to reuse
-    # Statistics, kept as PyTorch keeps them: handed-out blocks per bucket (allocation, bytes),
-    # every block (segment, reserved bytes), time in the driver's allocation and free calls.
-    cdef Stat bucket_allocation[64]
-    cdef Stat bucket_bytes[64]
-    cdef Stat segment
-    cdef Stat reserved_bytes
+    # Statistics, kept as PyTorch 2.13 keeps them (HostStatsStaged): blocks handed out and not
+    # yet reusable, per bucket (active_requests, active_bytes); every block the allocator owns
+    # (allocations, allocated_bytes); time in the driver's allocation and free calls.
+    cdef Stat bucket_active[64]
+    cdef Stat bucket_active_bytes[64]
+    cdef Stat allocations
+    cdef Stat allocated_bytes
     cdef DurationStat host_alloc_time
     cdef DurationStat host_free_time
     # The reserve segment (pinned_reserve_segment_size_mb), made on the first miss.
@@ -135,6 +186,11 @@ cdef class HostCachingAllocator:
     cdef object _thread
     cdef readonly object background_error    # what stopped the polling thread, until malloc raises it
     cdef object _stop
+    # The memory history (HostAllocator.record_memory_history): off while trace.capacity is 0.
+    cdef HostTrace trace
+    cdef bint alloc_stacks                   # call stack_recorder at malloc (context set)
+    cdef bint free_stacks                    # and at free (context "all")
+    cdef object stack_recorder               # () -> uint32 stack id (pyalloc.snapshot.StackTable)
     cdef object __weakref__
 
     def __cinit__(self):
@@ -176,37 +232,66 @@ cdef class HostCachingAllocator:
 
     # ------------------------------------------------------------------ allocate
 
-    def malloc(self, nbytes):
+    def malloc(self, nbytes, stream=None):
         """A pinned block of at least `nbytes` bytes (the next power of two); returns its address
-        (an int), 0 for 0 bytes. Raises CudaError when the driver cannot allocate (nothing
-        changed), ValueError/TypeError for a bad size."""
+        (an int), 0 for 0 bytes.
+
+        `stream` (an int handle or a stream object; default None: the legacy stream 0) is the
+        stream the caller works on, PyTorch's current stream: while it captures a CUDA graph,
+        no event is queried (PyTorch's query_event answers "not ready" during a capture) and
+        the block is marked as used by the capture (see free). Raises CudaError when the driver
+        cannot allocate (nothing changed), ValueError/TypeError for a bad size, ValueError for
+        a destroyed stream."""
         cdef size_t n = request_size(nbytes)
+        cdef uintptr_t s = 0 if stream is None else stream_handle(stream)
+        if s and not self.device.stream_alive(s):
+            raise ValueError(f"malloc: stream {s:#x} was destroyed")
         cdef uintptr_t ptr
+        cdef unsigned int stack_id = 0
         if self.background_error is not None:
             self._raise_background_error()
         if n == 0:
             return 0
+        if self.alloc_stacks:
+            stack_id = self.stack_recorder()    # Python: before the lock is taken
         self._acquire()
         try:
-            ptr = self._allocate(n)
+            ptr = self._allocate(n, s, stack_id)
         finally:
             self._release()
         return ptr
 
-    cdef uintptr_t _allocate(self, size_t n) except? 0:
+    cdef bint _capturing(self, uintptr_t stream) except -1:
+        """Whether `stream` captures now. The legacy stream never does (CUDA refuses to capture
+        it), which keeps the default call free of a driver query."""
+        cdef unsigned long long capture_id = 0
+        cdef vector[uintptr_t] terminals
+        if stream == 0:
+            return False
+        return self.device.capture_info(stream, &capture_id, &terminals) == 1
+
+    cdef uintptr_t _allocate(self, size_t n, uintptr_t stream, unsigned int stack_id) except? 0:
         cdef size_t size = power_of_two_ceil(n)
         cdef int index = size_index(size)
         cdef HostBlock* block
-        if not self.use_background_threads and not self.events.empty():
+        # The legacy stream (the default) never captures: no backend call, nor the query's
+        # locals, on the default path.
+        cdef bint capturing = stream != 0 and self._capturing(stream)
+        if not capturing and not self.use_background_threads and not self.events.empty():
             self._process_events(0)
         block = self._take_free(index)
-        if block == NULL and self.use_background_threads:
+        if block == NULL and self.use_background_threads and not capturing:
             self._process_events(size)
             block = self._take_free(index)
             if self._thread is None:
                 self._start_thread()
         if block == NULL:
             block = self._new_block(size)
+        block.captured = capturing
+        block.stream = stream
+        block.stack_id = stack_id
+        if self.trace.capacity:
+            self.trace.push(H_ALLOC, block.ptr, block.size, stream, stack_id)
         return block.ptr
 
     cdef HostBlock* _take_free(self, int index) except? NULL:
@@ -219,8 +304,8 @@ cdef class HostCachingAllocator:
             self.host.check_handout(block.ptr, block.size)     # raises before anything changes
         fl.pop_back()
         block.allocated = True
-        self.bucket_allocation[index].increase(1)
-        self.bucket_bytes[index].increase(block.size)
+        self.bucket_active[index].increase(1)
+        self.bucket_active_bytes[index].increase(block.size)
         return block
 
     cdef HostBlock* _new_block(self, size_t size) except NULL:
@@ -245,11 +330,13 @@ cdef class HostCachingAllocator:
         if origin == RESERVED:
             self.reserve_next += carved
         self.blocks[ptr] = block
-        self.segment.increase(1)
-        self.reserved_bytes.increase(size)
+        self.allocations.increase(1)
+        self.allocated_bytes.increase(size)
         cdef int index = size_index(size)
-        self.bucket_allocation[index].increase(1)
-        self.bucket_bytes[index].increase(size)
+        self.bucket_active[index].increase(1)
+        self.bucket_active_bytes[index].increase(size)
+        if self.trace.capacity:
+            self.trace.push(H_SEGMENT_ALLOC, ptr, size, 0, 0)
         return block
 
     cdef int _driver_alloc(self, size_t size, uintptr_t* ptr) except -1:
@@ -309,11 +396,18 @@ cdef class HostCachingAllocator:
         block.event_count -= 1
         if block.event_count:
             return False
+        self._make_reusable(block)
+        return True
+
+    cdef inline void _make_reusable(self, HostBlock* block) noexcept:
+        """A freed block whose uses are over goes back to its free list (the end of its
+        active_requests count, and of its free in the memory history)."""
         cdef int index = size_index(block.size)
         self.free_list[index].push_back(block)
-        self.bucket_allocation[index].decrease(1)
-        self.bucket_bytes[index].decrease(block.size)
-        return True
+        self.bucket_active[index].decrease(1)
+        self.bucket_active_bytes[index].decrease(block.size)
+        if self.trace.capacity:
+            self.trace.push(H_FREE_COMPLETED, block.ptr, block.size, block.stream, block.stack_id)
 
     cdef int _record(self, uintptr_t stream, PendingEvent* out) except -1:
         """An event recorded on `stream` now (from the pool of the stream's device when it has
@@ -351,30 +445,45 @@ cdef class HostCachingAllocator:
 
     def free(self, ptr):
         """Give back the block at `ptr` (0: nothing). A block that record_event tied to streams
-        is reusable once the events recorded now on those streams completed. Raises
+        is reusable once the events recorded now on those streams completed. A block whose use
+        was captured into a CUDA graph (handed out by malloc on a capturing stream, as PyTorch's
+        rule; or, beyond PyTorch, named by record_event for a capturing stream or freed while
+        such a stream captures) gets no event: without record_event streams it is reusable at
+        once, with them it is kept for good ("captured"), since the graph may replay. Raises
         NotAllocatedError for an address malloc did not return, AlreadyFreedError for a double
         free, CudaError when an event cannot be recorded (the block stays allocated)."""
         cdef uintptr_t p = device_pointer(ptr)
+        cdef unsigned int stack_id = 0
         if p == 0:
             return
+        if self.free_stacks:
+            stack_id = self.stack_recorder()
         self._acquire()
         try:
-            self._free(p)
+            self._free(p, stack_id)
         finally:
             self._release()
 
-    cdef int _free(self, uintptr_t p) except -1:
+    cdef int _free(self, uintptr_t p, unsigned int stack_id) except -1:
         cdef HostBlock* block = self._live_block(p, "free")
-        cdef int index
         cdef vector[PendingEvent] recorded
         cdef PendingEvent e
         cdef size_t i
         if block.streams.empty():
             block.allocated = False
-            index = size_index(block.size)
-            self.free_list[index].push_back(block)
-            self.bucket_allocation[index].decrease(1)
-            self.bucket_bytes[index].decrease(block.size)
+            self._trace_free_requested(block, stack_id)
+            self._make_reusable(block)
+            return 0
+        if block.captured or self._any_capturing(block):
+            # PyTorch's rule for a block used during a capture: no event (an event recorded in
+            # a capture marks no real completion, and querying one breaks the capture); the
+            # block stays counted as active and is never handed out again, since the graph may
+            # replay its copies at any time.
+            block.captured = True
+            block.allocated = False
+            block.event_count += block.streams.size()
+            block.streams.clear()
+            self._trace_free_requested(block, stack_id)
             return 0
         try:
             for i in range(block.streams.size()):
@@ -390,7 +499,23 @@ cdef class HostCachingAllocator:
         block.streams.clear()
         for i in range(recorded.size()):
             self.events.push_front(recorded[i])
+        self._trace_free_requested(block, stack_id)
         return 0
+
+    cdef bint _any_capturing(self, HostBlock* block) except -1:
+        """Whether a stream record_event named for `block` captures now (its use since then
+        may be graph work: pyalloc treats it as captured, where PyTorch records an event on
+        the capturing stream; docs/differences.md)."""
+        cdef size_t i
+        for i in range(block.streams.size()):
+            if self._capturing(block.streams[i]):
+                return True
+        return False
+
+    cdef inline void _trace_free_requested(self, HostBlock* block, unsigned int stack_id) noexcept:
+        if self.trace.capacity:
+            self.trace.push(H_FREE_REQUESTED, block.ptr, block.size, block.stream,
+                            stack_id if stack_id else block.stack_id)
 
     def record_event(self, ptr, stream):
         """Note that work on `stream` (an int handle or a stream object) uses the block at `ptr`,
@@ -407,6 +532,8 @@ cdef class HostCachingAllocator:
             block = self._live_block(p, "record_event")
             if not self.device.stream_alive(s):
                 raise ValueError(f"record_event: stream {s:#x} was destroyed")
+            if self._capturing(s):
+                block.captured = True       # a use inside a graph, which may replay at any time
             for i in range(block.streams.size()):
                 if block.streams[i] == s:
                     return
@@ -444,8 +571,10 @@ cdef class HostCachingAllocator:
         """Forget the idle block at the back of free list `index` (its memory is given back)."""
         self.free_list[index].pop_back()
         self.blocks.erase(block.ptr)
-        self.segment.decrease(1)
-        self.reserved_bytes.decrease(block.size)
+        self.allocations.decrease(1)
+        self.allocated_bytes.decrease(block.size)
+        if self.trace.capacity:
+            self.trace.push(H_SEGMENT_FREE, block.ptr, block.size, 0, 0)
         del block
 
     cdef int _release_memory(self, HostBlock* block) except -1:
@@ -464,41 +593,35 @@ cdef class HostCachingAllocator:
         return 0
 
     def stats(self):
-        """Statistics as torch.cuda.host_memory_stats_as_nested_dict() gives them:
+        """Statistics as torch.cuda.host_memory_stats_as_nested_dict() gives them in PyTorch 2.13
+        (HostStats of aten/src/ATen/core/CachingHostAllocator.h):
 
-        * allocation, allocated_bytes: blocks (bytes) handed out and not yet back in a free list
-          (a freed block waiting for events still counts), each a dict of current, peak,
+        * active_requests, active_bytes: blocks (bytes) handed out and not yet reusable: a block
+          counts from its handout until it is back in a free list, so a freed block waiting for
+          events (or kept after a capture) still counts. Each a dict of current, peak,
           allocated (total increase) and freed (total decrease); the peak is the sum of the
-          per-size peaks, as PyTorch reports it;
-        * segment, reserved_bytes: every block held (bytes), idle ones included;
-        * num_host_alloc, num_host_free: blocks made and released (segment.allocated, .freed);
+          per-size peaks, as PyTorch reports it (an upper bound of the true peak);
+        * allocations, allocated_bytes: every block the allocator owns (bytes), in use or cached:
+          up when a block is made, down when empty_cache gives one back;
+        * num_host_alloc, num_host_free: blocks made and given back (allocations.allocated,
+          .freed; a block carved from the reserve segment counts as made, as in PyTorch);
         * host_alloc_time, host_free_time: microseconds in the driver's allocation and free
           calls (the reserve segment's own allocation included): total, max, min, count, avg.
         """
-        cdef Stat allocation, allocated_bytes
+        cdef Stat active, active_bytes
         cdef int i
         self._acquire()
         try:
             for i in range(kBuckets):
-                allocation.current += self.bucket_allocation[i].current
-                allocation.peak += self.bucket_allocation[i].peak
-                allocation.allocated += self.bucket_allocation[i].allocated
-                allocation.freed += self.bucket_allocation[i].freed
-                allocated_bytes.current += self.bucket_bytes[i].current
-                allocated_bytes.peak += self.bucket_bytes[i].peak
-                allocated_bytes.allocated += self.bucket_bytes[i].allocated
-                allocated_bytes.freed += self.bucket_bytes[i].freed
+                _add_bucket(&active, &self.bucket_active[i])
+                _add_bucket(&active_bytes, &self.bucket_active_bytes[i])
             return {
-                "allocation": _stat_dict(allocation.current, allocation.peak,
-                                         allocation.allocated, allocation.freed),
-                "segment": _stat_dict(self.segment.current, self.segment.peak,
-                                      self.segment.allocated, self.segment.freed),
-                "allocated_bytes": _stat_dict(allocated_bytes.current, allocated_bytes.peak,
-                                              allocated_bytes.allocated, allocated_bytes.freed),
-                "reserved_bytes": _stat_dict(self.reserved_bytes.current, self.reserved_bytes.peak,
-                                             self.reserved_bytes.allocated, self.reserved_bytes.freed),
-                "num_host_alloc": self.segment.allocated,
-                "num_host_free": self.segment.freed,
+                "active_requests": _stat_dict(&active),
+                "active_bytes": _stat_dict(&active_bytes),
+                "allocations": _stat_dict(&self.allocations),
+                "allocated_bytes": _stat_dict(&self.allocated_bytes),
+                "num_host_alloc": self.allocations.allocated,
+                "num_host_free": self.allocations.freed,
                 "host_alloc_time": _durations(&self.host_alloc_time),
                 "host_free_time": _durations(&self.host_free_time),
             }
@@ -510,10 +633,10 @@ cdef class HostCachingAllocator:
         cdef int i
         self._acquire()
         for i in range(kBuckets):
-            self.bucket_allocation[i].reset_accumulated()
-            self.bucket_bytes[i].reset_accumulated()
-        self.segment.reset_accumulated()
-        self.reserved_bytes.reset_accumulated()
+            self.bucket_active[i].reset_accumulated()
+            self.bucket_active_bytes[i].reset_accumulated()
+        self.allocations.reset_accumulated()
+        self.allocated_bytes.reset_accumulated()
         self.host_alloc_time.reset_accumulated()
         self.host_free_time.reset_accumulated()
         self._release()
@@ -523,13 +646,56 @@ cdef class HostCachingAllocator:
         cdef int i
         self._acquire()
         for i in range(kBuckets):
-            self.bucket_allocation[i].reset_peak()
-            self.bucket_bytes[i].reset_peak()
-        self.segment.reset_peak()
-        self.reserved_bytes.reset_peak()
+            self.bucket_active[i].reset_peak()
+            self.bucket_active_bytes[i].reset_peak()
+        self.allocations.reset_peak()
+        self.allocated_bytes.reset_peak()
         self.host_alloc_time.reset_peak()
         self.host_free_time.reset_peak()
         self._release()
+
+    # ------------------------------------------------------------------ memory history
+
+    def _set_history(self, size_t capacity, unsigned int skip_mask, bint clear, recorder,
+                     bint alloc_stacks, bint free_stacks):
+        """HostAllocator.record_memory_history's switch: keep at most `capacity` entries (0: off,
+        the history cleared), not those whose bit 1 << action is in `skip_mask`; `recorder`
+        gives stack ids at malloc (alloc_stacks) and free (free_stacks)."""
+        self._acquire()
+        if clear or capacity == 0:
+            self.trace.entries.clear()
+        self.trace.resize(capacity)
+        self.trace.skip_mask = skip_mask
+        self.stack_recorder = recorder
+        self.alloc_stacks = alloc_stacks and recorder is not None
+        self.free_stacks = free_stacks and recorder is not None
+        self._release()
+
+    def _history_entries(self):
+        """The history, oldest first: (action name, address, bytes, stream, time_us, stack id)."""
+        cdef HostTraceEntry e
+        out = []
+        self._acquire()
+        try:
+            for e in self.trace.entries:
+                out.append((HOST_TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_us,
+                            e.stack_id))
+        finally:
+            self._release()
+        return out
+
+    def _block_records(self):
+        """Every block as (address, bytes, state, stream, stack id), sorted (the snapshot's)."""
+        cdef pair[uintptr_t, HostBlock*] p
+        out = []
+        self._acquire()
+        try:
+            for p in self.blocks:
+                out.append((p.second.ptr, p.second.size, _state(p.second), p.second.stream,
+                            p.second.stack_id))
+        finally:
+            self._release()
+        return sorted(out)
 
     # ------------------------------------------------------------------ introspection
 
@@ -544,7 +710,8 @@ cdef class HostCachingAllocator:
 
     def block_list(self):
         """Every block as a sorted list of (address, bytes, state), state one of "allocated",
-        "pending" (freed, events outstanding) or "free"."""
+        "pending" (freed, events outstanding), "captured" (freed after a use captured into a
+        CUDA graph: kept, never reused) or "free"."""
         cdef pair[uintptr_t, HostBlock*] p
         cdef HostBlock* b
         out = []
@@ -552,8 +719,7 @@ cdef class HostCachingAllocator:
         try:
             for p in self.blocks:
                 b = p.second
-                out.append((b.ptr, b.size, "allocated" if b.allocated else
-                            "pending" if b.event_count else "free"))
+                out.append((b.ptr, b.size, _state(b)))
         finally:
             self._release()
         return sorted(out)
@@ -607,11 +773,13 @@ cdef class HostCachingAllocator:
 
     def close(self):
         """Stop the polling thread and free every cached block. Raises RuntimeError, changing
-        nothing, while blocks are in use or waiting for events."""
+        nothing, while blocks are in use, waiting for events or kept for a CUDA graph (state
+        "captured": kept for the process's life, as PyTorch keeps them)."""
         busy = [b for b in self.block_list() if b[2] != "free"]
         if busy:
-            raise RuntimeError(f"HostCachingAllocator.close: {len(busy)} blocks are in use or wait "
-                               f"for events (first: {busy[0][0]:#x}, {busy[0][1]} bytes)")
+            raise RuntimeError(f"HostCachingAllocator.close: {len(busy)} blocks are in use, wait "
+                               f"for events or are kept for a CUDA graph (first: {busy[0][0]:#x}, "
+                               f"{busy[0][1]} bytes, {busy[0][2]})")
         if self._stop is not None:
             self._stop.set()
             self._thread.join()

@@ -24,6 +24,13 @@ struct HostBlock {
     bool allocated = false;             // handed out and not freed
     size_t event_count = 0;             // events recorded at its free and not yet seen completed
     int origin = HOST_ALLOC;
+    // Its current use was captured into a CUDA graph: handed out while the allocating stream
+    // captured (PyTorch's was_allocated_during_stream_capture_), or named by record_event for a
+    // stream that was capturing. Such a block gets no event at its free (none can be recorded or
+    // queried during a capture); with streams recorded it is kept, never reused.
+    bool captured = false;
+    uintptr_t stream = 0;               // the stream malloc was given (0: the legacy stream)
+    uint32_t stack_id = 0;              // Python stack of its malloc, for the memory history
     std::vector<uintptr_t> streams;     // streams record_event named since it was handed out
 };
 
@@ -104,5 +111,40 @@ inline int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
         std::chrono::steady_clock::now().time_since_epoch()).count();
 }
+
+// The memory history (HostAllocator.record_memory_history): one entry per event, in the device
+// allocator's trace format (action, address, bytes, stream, microseconds since the epoch, stack).
+enum HostAction : int32_t {
+    H_ALLOC = 0, H_FREE_REQUESTED = 1, H_FREE_COMPLETED = 2, H_SEGMENT_ALLOC = 3, H_SEGMENT_FREE = 4
+};
+
+struct HostTraceEntry {
+    int32_t action;
+    uintptr_t addr;
+    size_t size;
+    uintptr_t stream;
+    int64_t time_us;
+    uint32_t stack_id;
+};
+
+// A bounded history: appends until `capacity` entries, then drops the oldest.
+struct HostTrace {
+    std::deque<HostTraceEntry> entries;
+    size_t capacity = 0;
+    uint32_t skip_mask = 0;             // bit 1 << action: not recorded
+    void push(int32_t action, uintptr_t addr, size_t size, uintptr_t stream, uint32_t stack_id) {
+        if (capacity == 0 || (skip_mask >> action) & 1u) return;
+        HostTraceEntry e;
+        e.action = action; e.addr = addr; e.size = size; e.stream = stream; e.stack_id = stack_id;
+        e.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
+            std::chrono::system_clock::now().time_since_epoch()).count();
+        if (entries.size() >= capacity) entries.pop_front();
+        entries.push_back(e);
+    }
+    void resize(size_t cap) {
+        capacity = cap;
+        while (entries.size() > cap) entries.pop_front();
+    }
+};
 
 }  // namespace pyalloc_host

@@ -1,6 +1,6 @@
 """Specification of the caching host (pinned) allocator, pyalloc.host.HostAllocator, on the
 simulated device: PyTorch's CachingHostAllocator rules (power-of-two blocks, a free list per size,
-record_event, empty_cache of idle blocks only), its host_memory_stats keys, each pinned_* setting,
+record_event, empty_cache of idle blocks only), its host_memory_stats keys (PyTorch 2.13's), each pinned_* setting,
 failures and bad input."""
 import sys
 import time
@@ -191,35 +191,64 @@ def test_empty_cache_frees_blocks_whose_events_completed(dev, host):
 # ------------------------------------------------------------------ statistics
 
 def test_stats_have_torchs_host_memory_stats_keys(host):
+    # PyTorch 2.13's HostStats as torch.cuda.host_memory_stats() flattens it.
     stat = ["allocated", "current", "freed", "peak"]
     duration = ["avg", "count", "max", "min", "total"]
-    expected = sorted([f"{k}.{m}" for k in ("allocation", "segment", "allocated_bytes",
-                                             "reserved_bytes") for m in stat] +
+    expected = sorted([f"{k}.{m}" for k in ("active_requests", "active_bytes", "allocations",
+                                             "allocated_bytes") for m in stat] +
                       [f"{k}.{m}" for k in ("host_alloc_time", "host_free_time") for m in duration] +
                       ["num_host_alloc", "num_host_free"])
     assert list(host.host_memory_stats()) == expected
 
 
-def test_allocated_bytes_count_blocks_handed_out_at_their_rounded_size(host):
+def test_active_bytes_count_blocks_handed_out_at_their_rounded_size(host):
     host.malloc(3000)
     host.malloc(5000)
     s = host.stats()
-    assert (s["allocated_bytes"]["current"], s["allocation"]["current"]) == (4096 + 8192, 2)
+    assert (s["active_bytes"]["current"], s["active_requests"]["current"]) == (4096 + 8192, 2)
 
 
-def test_a_freed_block_leaves_allocated_but_stays_reserved(host):
+def test_a_freed_block_leaves_active_but_stays_allocated(host):
     host.free(host.malloc(3000))
     s = host.stats()
-    assert (s["allocated_bytes"]["current"], s["reserved_bytes"]["current"],
-            s["segment"]["current"]) == (0, 4096, 1)
+    assert (s["active_bytes"]["current"], s["allocated_bytes"]["current"],
+            s["allocations"]["current"]) == (0, 4096, 1)
 
 
-def test_a_block_waiting_for_events_still_counts_as_allocated(dev, host):
+def test_a_block_waiting_for_events_still_counts_as_active(dev, host):
     s = dev.create_stream()
     p = host.malloc(4096)
     host.record_event(p, s)
     host.free(p)
-    assert host.stats()["allocation"]["current"] == 1
+    assert host.stats()["active_requests"]["current"] == 1
+
+
+def test_a_block_stops_being_active_when_its_events_complete(dev, host):
+    s, p = freed_behind_a_queued_copy(dev, host)
+    dev.complete(s)
+    host.poll_events()
+    assert host.stats()["active_requests"]["current"] == 0
+
+
+def test_a_cache_hit_counts_an_active_request_but_no_allocation(host):
+    host.free(host.malloc(4096))
+    host.malloc(4096)
+    s = host.stats()
+    assert (s["active_requests"]["allocated"], s["allocations"]["allocated"]) == (2, 1)
+
+
+def test_empty_cache_lowers_allocations_and_allocated_bytes(host):
+    host.free(host.malloc(4096))
+    host.empty_cache()
+    s = host.stats()
+    assert (s["allocations"]["current"], s["allocations"]["freed"],
+            s["allocated_bytes"]["freed"]) == (0, 1, 4096)
+
+
+def test_peak_of_allocated_bytes_counts_cached_blocks(host):
+    host.free(host.malloc(4096))
+    host.free(host.malloc(MiB))
+    assert host.stats()["allocated_bytes"]["peak"] == 4096 + MiB
 
 
 def test_num_host_alloc_and_free_count_driver_blocks(host):
@@ -245,26 +274,26 @@ def test_host_free_time_counts_each_block_given_back(host):
     assert host.stats()["host_free_time"]["count"] == 2
 
 
-def test_peak_of_allocated_bytes_is_the_largest_in_use(host):
+def test_peak_of_active_bytes_is_the_largest_in_use(host):
     a, b = host.malloc(4096), host.malloc(4096)
     host.free(a)
     host.free(b)
-    assert host.stats()["allocated_bytes"]["peak"] == 8192
+    assert host.stats()["active_bytes"]["peak"] == 8192
 
 
 def test_reset_peak_stats_sets_peaks_to_current(host):
     a = host.malloc(4096)
     host.free(host.malloc(4096))
     host.reset_peak_stats()
-    assert host.stats()["allocated_bytes"]["peak"] == 4096 and a
+    assert host.stats()["active_bytes"]["peak"] == 4096 and a
 
 
 def test_reset_accumulated_stats_zeroes_totals(host):
     host.free(host.malloc(4096))
     host.reset_accumulated_stats()
     s = host.stats()
-    assert (s["allocation"]["allocated"], s["allocation"]["freed"], s["num_host_alloc"],
-            s["host_alloc_time"]["count"]) == (0, 0, 0, 0)
+    assert (s["active_requests"]["allocated"], s["active_requests"]["freed"],
+            s["num_host_alloc"], s["host_alloc_time"]["count"]) == (0, 0, 0, 0)
 
 
 # ------------------------------------------------------------------ settings
@@ -622,4 +651,4 @@ def test_two_threads_allocating_and_freeing_leave_consistent_statistics(dev):
         t.join()
     s = h.stats()
     blocks = h.block_list()
-    assert (s["allocation"]["current"], s["segment"]["current"]) == (0, len(blocks))
+    assert (s["active_requests"]["current"], s["allocations"]["current"]) == (0, len(blocks))

@@ -113,3 +113,29 @@ def test_cupyx_empty_pinned_uses_pyalloc_after_install_pinned():
         assert float(cp.asarray(a).sum()) == 3000.0
     finally:
         pc.uninstall()
+
+
+def test_a_block_a_captured_graph_copies_from_is_never_handed_out_while_it_may_replay(host):
+    # PyTorch's capture rule on the driver: handed out on the capturing stream, tied to it by
+    # record_event and freed inside the capture, the block gets no event (the capture stays
+    # valid) and is kept, so each replay copies what the program left in it.
+    dev = host.device
+    stream = cp.cuda.Stream(non_blocking=True)
+    dst = cp.zeros(N, dtype=cp.uint8)
+    stream.synchronize()
+    dev.begin_capture(stream.ptr)
+    src = host.malloc(N, stream.ptr)
+    cp.cuda.runtime.memcpyAsync(dst.data.ptr, src, N, cp.cuda.runtime.memcpyHostToDevice,
+                                stream.ptr)
+    host.record_event(src, stream.ptr)
+    ctypes.memset(src, 0x3C, N)         # the graph reads the block when it replays
+    host.free(src)
+    graph = dev.end_capture(stream.ptr)
+    try:
+        other = host.malloc(N)
+        ctypes.memset(other, 0xBB, N)
+        dev.launch_graph(graph, stream.ptr)
+        stream.synchronize()
+        assert other != src and int((dst == 0x3C).sum()) == N
+    finally:
+        dev.destroy_graph(graph)
