@@ -6,8 +6,11 @@ torch.empty(pin_memory=True), interleaved. Self-contained (runs from an installe
    the median over rounds, and each ratio the median of per-round ratios pyalloc / other.
 2. Cold 1 GiB: a new allocator per round per setting (cuMemHostAlloc; register with 1, 4 and 16
    threads), one allocation of 1 GiB timed, then freed and the cache emptied.
+3. Settings (--settings-rounds > 0): per pinned_* setting, the 4 KiB cache-hit pair (interleaved
+   like 1.) and the first 64 allocations of 1 MiB of a new allocator (cold: the reserve segment
+   carves them out of one allocation made at the first; the others allocate each).
 
-    python bench/bench_host_gpu.py [--rounds 51] [--cold-rounds 5]
+    python bench/bench_host_gpu.py [--rounds 51] [--cold-rounds 5] [--settings-rounds 15]
 """
 import argparse
 import statistics
@@ -93,11 +96,48 @@ def cold(rounds):
     return samples
 
 
+SETTINGS = {"default (cuMemHostAlloc)": "",
+            "pinned_reserve_segment_size_mb:256": "pinned_reserve_segment_size_mb:256",
+            "pinned_use_background_threads:True": "pinned_use_background_threads:True",
+            "pinned_use_cuda_host_register:True": "pinned_use_cuda_host_register:True"}
+
+
+def settings_rows(rounds, iterations):
+    """What each pinned setting costs: its 4 KiB hit pair and its first 64 x 1 MiB (cold)."""
+    dev = cuda_backend.open_device(0)
+    hosts = {k: HostAllocator(dev, config=c) for k, c in SETTINGS.items()}
+    cases = {}
+    for k, h in hosts.items():
+        h.free(h.malloc(4 * KiB))
+
+        def pair(n, malloc=h.malloc, free=h.free):
+            for _ in range(n):
+                free(malloc(4 * KiB))
+        cases[k] = pair
+    hit = interleaved(cases, rounds, iterations)
+    for h in hosts.values():
+        h.close()
+    first = {k: [] for k in SETTINGS}
+    names = list(SETTINGS)
+    for r in range(rounds):
+        shift = r % len(names)
+        for k in names[shift:] + names[:shift]:
+            h = HostAllocator(dev, config=SETTINGS[k])
+            t0 = time.perf_counter_ns()
+            ptrs = [h.malloc(MiB) for _ in range(64)]
+            first[k].append((time.perf_counter_ns() - t0) / 1e6)
+            for p in ptrs:
+                h.free(p)
+            h.close()
+    return hit, first
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=51)
     ap.add_argument("--iterations", type=int, default=2000)
     ap.add_argument("--cold-rounds", type=int, default=5)
+    ap.add_argument("--settings-rounds", type=int, default=0)
     args = ap.parse_args()
     sizes = [4 * KiB, MiB, 64 * MiB]
     samples = interleaved(loops(sizes), args.rounds, args.iterations)
@@ -114,6 +154,12 @@ def main():
     print(f"cold 1 GiB allocation, ms (median of {args.cold_rounds} rounds)")
     for k, v in cold(args.cold_rounds).items():
         print(f"  {k:<22}{statistics.median(v):>10.1f}  (min {min(v):.1f}, max {max(v):.1f})")
+    if args.settings_rounds:
+        hit, first = settings_rows(args.settings_rounds, args.iterations)
+        print(f"settings (median of {args.settings_rounds} rounds): 4 KiB hit pair ns, "
+              f"first 64 x 1 MiB of a new allocator ms")
+        for k in SETTINGS:
+            print(f"  {k:<38}{statistics.median(hit[k]):>10.1f}{statistics.median(first[k]):>10.2f}")
 
 
 if __name__ == "__main__":
