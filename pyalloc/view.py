@@ -404,14 +404,6 @@ class _Walk:
         self.initial = {"reserved": reserved, "allocated": allocated, "requested": requested,
                         "blocks": len(init_blocks), "segments": len(init_ranges)}
 
-    def step(self, i, e):
-        """Apply trace entry `e` (index `i`); True when it changed a figure."""
-        handler = self._HANDLERS.get(e["action"])
-        if handler is None:
-            self._other(i, e)
-            return False
-        return handler(self, i, e)
-
     def _alloc(self, i, e):
         size = e["size"]
         block = self.sizes.get(i)
@@ -481,20 +473,23 @@ class _Walk:
         return True
 
     def _other(self, i, e):
-        # Changes no figure; an oom entry is kept for the page.
+        # Any other action changes no figure; an oom entry is kept for the page.
         if e["action"] == "oom":
             strings = self.strings
             self.ooms.append(Oom(i, e.get("size", 0), e.get("device_free", e.get("addr", 0)),
                                  e.get("stream", 0), e.get("time_us"), strings.tag(e, i),
                                  strings.frames(e, i)))
+        return False
 
-    _HANDLERS = {"alloc": _alloc, "free_requested": _free, "free_completed": _free,
+    # How each action changes the state: handler(walk, event index, entry) -> True when it
+    # changed a figure. Other actions go to _other.
+    HANDLERS = {"alloc": _alloc, "free_requested": _free, "free_completed": _free,
                  "segment_alloc": _segment_alloc, "segment_free": _segment_free,
                  "segment_map": _segment_map, "segment_unmap": _segment_unmap}
 
 
 def _timeline(entries, walk, bucket):
-    """Walk every entry through `walk` (_Walk), keeping per bucket of `bucket` events the minimum
+    """Apply every entry to `walk` (_Walk), keeping per bucket of `bucket` events the minimum
     and maximum of each figure (so that no downsampling loses a peak), and each figure's peak.
     Returns (bucket starts, their times in ms after the first timed event, lo, hi,
     peaks {series: (bytes, first event at that value)}, the first event's time_us or None)."""
@@ -506,9 +501,9 @@ def _timeline(entries, walk, bucket):
     at_r = at_a = at_q = 0
     t0 = None
     next_start = 0
-    step = walk.step
+    handlers, other = walk.HANDLERS, _Walk._other
     for i, e in enumerate(entries):
-        changed = step(i, e)
+        changed = handlers.get(e["action"], other)(walk, i, e)
         reserved, allocated, requested = walk.reserved, walk.allocated, walk.requested
         if i == next_start:
             if i:
