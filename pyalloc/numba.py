@@ -151,10 +151,11 @@ def _oom_class():
 
 
 class _ManagerMethods:
-    """The EMM plugin's methods that need no name bound when Numba is imported: everything but
-    memalloc and the frees behind it (see _manager_class). The plugin class puts this first among
-    its bases, so that `super()` here reaches Numba's HostOnlyCUDAMemoryManager. The subclass
-    provides `_driver` (numba.cuda.cudadrv.driver) and `_size_not_set` (its _SizeNotSet)."""
+    """The EMM plugin's methods but memalloc and the frees behind it (see _manager_class): they
+    reach Numba only through the plugin class's `_driver` (numba.cuda.cudadrv.driver) and
+    `_size_not_set` (its _SizeNotSet), so they are defined once, here, without importing Numba.
+    The plugin class puts this first among its bases, so that `super()` here reaches Numba's
+    HostOnlyCUDAMemoryManager."""
 
     # -------------------------------------------------------------- allocator
 
