@@ -275,14 +275,11 @@ def _write_dump(snapshot: dict, path: str) -> None:
         raise CliError(f"--dump {path!r}: {err.strerror or err}") from None
 
 
-def _cmd_replay(args) -> int:
-    from pyalloc.errors import format_bytes
-    from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, fraction_in_force, gc_without_fraction,
-                                implied_device_memory, recorded_oom, replay, settings_key)
-    from pyalloc.snapshot import SnapshotError
-    from pyalloc.tune import bytes_words, recorded_oom_lines, report_width
+def _replay_setting(args, trace):
+    """(setting string, placement) of `pyalloc replay`: --config or the trace's own setting, and
+    --placement or, by default, recorded under the trace's own setting and fresh under another."""
+    from pyalloc.replay import settings_key
 
-    trace = _load_trace(args.trace, args.device, args.max_input_size)
     own = trace.own_config
     if args.config is None:
         config, what = own, "the trace's own setting"
@@ -303,8 +300,16 @@ def _cmd_replay(args) -> int:
         except CliError:
             same = False
         placement = "recorded" if same else "fresh"
-    if args.dump:
-        _check_dump_path(args.dump)
+    return config, placement
+
+
+def _replay_device_memory(args, trace, config):
+    """(memory fraction in force, the trace's recorded OOM or None, whether the device size comes
+    from that OOM, device memory in bytes) for `pyalloc replay`."""
+    from pyalloc.replay import (DEFAULT_DEVICE_MEMORY, fraction_in_force, implied_device_memory,
+                                recorded_oom)
+    from pyalloc.snapshot import SnapshotError
+
     # The run's fraction, whether --memory-fraction or the setting's per_process_memory_fraction
     # gives it: the device a recorded OOM implies is the one whose fraction gives its limit.
     fraction = fraction_in_force(config, args.memory_fraction)
@@ -322,15 +327,15 @@ def _cmd_replay(args) -> int:
             raise CliError(f"{args.trace}: {err}") from None
     else:
         device_memory = DEFAULT_DEVICE_MEMORY if args.device_memory is None else args.device_memory
-    if gc_without_fraction(own, fraction):
-        _warn("the trace's own setting sets garbage_collection_threshold, which acts only under a "
-              "memory fraction below 1, and none is given: its segment frees are replayed as "
-              "empty_cache() calls. If the run called torch.cuda.set_per_process_memory_fraction, "
-              "pass that fraction as --memory-fraction.")
-    if oom is not None and not args.json:
-        for text in recorded_oom_lines(oom, len(trace.entries), device_memory, derived, fraction,
-                                       report_width()):
-            print(text)
+    return fraction, oom, derived, device_memory
+
+
+def _run_replay(args, trace, config, placement, device_memory):
+    """(ReplayResult, placement it ran under) of `pyalloc replay`, with a progress bar; recorded
+    placement chosen by default falls back to fresh when the trace's addresses do not fit."""
+    from pyalloc.replay import replay
+    from pyalloc.snapshot import SnapshotError
+
     def run(placement):
         with _Progress("replay", "ev") as bar:
             # --dump records the replay's own history: its snapshot is a timeline of the replay.
@@ -340,7 +345,7 @@ def _cmd_replay(args) -> int:
 
     try:
         try:
-            result = run(placement)
+            return run(placement), placement
         except RuntimeError as err:
             if placement != "recorded":
                 raise
@@ -353,21 +358,17 @@ def _cmd_replay(args) -> int:
                                "try --placement fresh") from None
             _warn(f"the trace's addresses do not fit this replay ({_first_clause(err)}): replayed "
                   "with fresh placement instead")
-            placement = "fresh"
-            result = run(placement)
+            return run("fresh"), "fresh"
     except SnapshotError as err:   # a corrupt trace entry
         raise CliError(f"{args.trace}: {err}") from None
-    if args.dump:
-        _write_dump(result.snapshot, args.dump)
-    _wrapped_warning(result.wrapped)
-    out = result.as_dict()
-    out.update(trace=args.trace, device=args.device, device_memory=device_memory,
-               own_config=own, dumped=args.dump, device_memory_derived=derived,
-               recorded_oom=oom.as_dict() if oom is not None else None)
-    if args.json:
-        print(json.dumps(_json_safe(out)))
-        return 0
-    r = result
+
+
+def _print_replay_report(args, r, config, own, placement, device_memory, derived):
+    """The text report of `pyalloc replay`: one line per figure of the ReplayResult `r`, each
+    wrapped under its own column to the report's width."""
+    from pyalloc.errors import format_bytes
+    from pyalloc.tune import bytes_words, report_width
+
     width = report_width()
 
     def line(name, value):
@@ -410,6 +411,39 @@ def _cmd_replay(args) -> int:
     line("speed", f"{r.events_per_second:,.0f} events/s ({r.events:,} events in {r.seconds:.3f} s)")
     if args.dump:
         line("history written to", f"{args.dump} (the replay's events and final segments)")
+
+
+def _cmd_replay(args) -> int:
+    from pyalloc.replay import gc_without_fraction
+    from pyalloc.tune import recorded_oom_lines, report_width
+
+    trace = _load_trace(args.trace, args.device, args.max_input_size)
+    own = trace.own_config
+    config, placement = _replay_setting(args, trace)
+    if args.dump:
+        _check_dump_path(args.dump)
+    fraction, oom, derived, device_memory = _replay_device_memory(args, trace, config)
+    if gc_without_fraction(own, fraction):
+        _warn("the trace's own setting sets garbage_collection_threshold, which acts only under a "
+              "memory fraction below 1, and none is given: its segment frees are replayed as "
+              "empty_cache() calls. If the run called torch.cuda.set_per_process_memory_fraction, "
+              "pass that fraction as --memory-fraction.")
+    if oom is not None and not args.json:
+        for text in recorded_oom_lines(oom, len(trace.entries), device_memory, derived, fraction,
+                                       report_width()):
+            print(text)
+    result, placement = _run_replay(args, trace, config, placement, device_memory)
+    if args.dump:
+        _write_dump(result.snapshot, args.dump)
+    _wrapped_warning(result.wrapped)
+    if args.json:
+        out = result.as_dict()
+        out.update(trace=args.trace, device=args.device, device_memory=device_memory,
+                   own_config=own, dumped=args.dump, device_memory_derived=derived,
+                   recorded_oom=oom.as_dict() if oom is not None else None)
+        print(json.dumps(_json_safe(out)))
+        return 0
+    _print_replay_report(args, result, config, own, placement, device_memory, derived)
     return 0
 
 

@@ -150,31 +150,137 @@ def _oom_class():
     return __getattr__("NumbaOutOfMemoryError")
 
 
-def _build():
-    driver = _import_numba_driver()
-    device_pointer, oom_code = _numba_bindings(driver)
-    AutoFreePointer = driver.AutoFreePointer
-    MemoryPointer = driver.MemoryPointer
-    MemoryInfo = driver.MemoryInfo
-    size_not_set = getattr(driver, "_SizeNotSet", 0)
-    registry = _defaults
-    dict_setitem = dict.__setitem__
+class _ManagerMethods:
+    """The EMM plugin's methods but memalloc and the frees behind it (see _manager_class): they
+    reach Numba only through the plugin class's `_driver` (numba.cuda.cudadrv.driver) and
+    `_size_not_set` (its _SizeNotSet), so they are defined once, here, without importing Numba.
+    The plugin class puts this first among its bases, so that `super()` here reaches Numba's
+    HostOnlyCUDAMemoryManager."""
 
+    # -------------------------------------------------------------- allocator
+
+    def _allocator(self):
+        """The default allocator of this context's device; refuses one that is not on the GPU."""
+        return _defaults.check_gpu_backend(_defaults.get_allocator(self._device),
+                                           "pyalloc.numba", "Numba")
+
+    def initialize(self):
+        alloc = self._allocator()
+        # As Numba's own manager does: its pending host deallocations flush at a share of
+        # the device's memory, which is unknown until now.
+        if self.deallocations.memory_capacity == self._size_not_set:
+            self.deallocations.memory_capacity = alloc.backend.mem_get_info()[1]
+
+    @contextlib.contextmanager
+    def defer_cleanup(self):
+        # Host allocations are deferred by the base class; device frees here.
+        with super().defer_cleanup():
+            with self._lock:
+                self._deferring += 1
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._deferring -= 1
+                    held = self._take_deferred() if self._deferring == 0 else []
+                _close_all(held)
+
+    def _take_deferred(self):
+        held, self._deferred = self._deferred, []
+        return held
+
+    def reset(self):
+        # Dropping the strong references frees every allocation of this context through its
+        # finalizer (the base class's reset), as Numba's own manager does.
+        super().reset()
+        with self._lock:
+            held = self._take_deferred() if self._deferring == 0 else []
+        _close_all(held)
+        alloc = _defaults._allocators.get(self._device)
+        if alloc is not None:
+            alloc.empty_cache()
+
+    # -------------------------------------------------------------- pinned host memory
+
+    def _host_allocator(self):
+        """pyalloc's process-wide host allocator; refuses one that is not on the GPU."""
+        from pyalloc.host import get_host_allocator
+        host = get_host_allocator()
+        if host.device.kind != "cuda":
+            raise NoCudaDriverError(
+                f"pyalloc.numba: the host allocator uses the {host.device.kind!r} backend, "
+                "not 'cuda'; Numba needs pinned memory of the GPU's driver")
+        return host
+
+    def memhostalloc(self, size, mapped=False, portable=False, wc=False):
+        # Mapped and write-combined memory need cuMemHostAlloc flags that pyalloc's cached
+        # blocks do not have: those stay Numba's. `portable` needs nothing: under unified
+        # addressing every context can use pinned memory whatever its flags.
+        if mapped or wc:
+            return super().memhostalloc(size, mapped=mapped, portable=portable, wc=wc)
+        host = self._host_allocator()
+        ptr = host.malloc(size)
+        return self._driver.PinnedMemory(self._context_ref, ptr, size,
+                                         finalizer=functools.partial(host.free, ptr) if ptr else None)
+
+    # -------------------------------------------------------------- queries
+
+    def get_memory_info(self):
+        alloc = self._allocator()
+        free, total = alloc.backend.mem_get_info()
+        cached = alloc.memory_reserved() - alloc.memory_allocated()
+        return self._driver.MemoryInfo(free=free + cached, total=total)
+
+    def get_ipc_handle(self, memory):
+        alloc = self._allocator()
+        ptr = _pointer_value(memory)
+        for seg in alloc._segments():
+            if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                if seg["is_expandable"]:
+                    raise NotImplementedError(
+                        f"pyalloc.numba: no IPC handle for {ptr:#x}, a block of an expandable "
+                        "segment (cuIpcGetMemHandle cannot export mapped virtual memory); "
+                        "allocate it without expandable_segments:True")
+                break
+        return super().get_ipc_handle(memory)
+
+    @property
+    def interface_version(self):
+        return 1
+
+
+def _oom_error_class(driver, oom_code):
+    """NumbaOutOfMemoryError: a pyalloc.OutOfMemoryError that is also Numba's CudaAPIError with
+    code `oom_code` (CUDA_ERROR_OUT_OF_MEMORY of the binding Numba uses)."""
     def numba_figures(err, message):
         # CudaAPIError's own attributes, read by code written for Numba's error.
         err.code = oom_code
         err.msg = message
 
-    NumbaOutOfMemoryError = framework_out_of_memory_error(
+    return framework_out_of_memory_error(
         driver.CudaAPIError, __name__, "NumbaOutOfMemoryError",
         "Out of memory in a Numba allocation served by pyalloc: a pyalloc.OutOfMemoryError (figures "
         "in bytes) and a Numba CudaAPIError whose .code is CUDA_ERROR_OUT_OF_MEMORY, so code "
         "catching either keeps working.", _oom_class, numba_figures)
 
-    class PyallocMemoryManager(driver.GetIpcHandleMixin, driver.HostOnlyCUDAMemoryManager):
+
+def _manager_class(driver, device_pointer, NumbaOutOfMemoryError):
+    """PyallocMemoryManager over Numba's `driver` module. memalloc and the frees it sets up are
+    defined here, over local names (Numba's pointer classes, dict's own __setitem__), because
+    they run on every Numba allocation; the other methods are _ManagerMethods'."""
+    AutoFreePointer = driver.AutoFreePointer
+    MemoryPointer = driver.MemoryPointer
+    registry = _defaults
+    dict_setitem = dict.__setitem__
+
+    class PyallocMemoryManager(_ManagerMethods, driver.GetIpcHandleMixin,
+                               driver.HostOnlyCUDAMemoryManager):
         """Numba EMM plugin (interface version 1) over pyalloc's default allocators; see the
         module docstring. Numba makes one per context (and one with context=None to check the
         interface version)."""
+
+        _driver = driver
+        _size_not_set = getattr(driver, "_SizeNotSet", 0)
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -184,20 +290,6 @@ def _build():
             self._lock = threading.Lock()
             self._deferring = 0           # depth of defer_cleanup() blocks now open
             self._deferred = []           # Buffers whose free waits for the outermost block's end
-
-        # -------------------------------------------------------------- allocator
-
-        def _allocator(self):
-            """The default allocator of this context's device; refuses one that is not on the GPU."""
-            return registry.check_gpu_backend(registry.get_allocator(self._device),
-                                              "pyalloc.numba", "Numba")
-
-        def initialize(self):
-            alloc = self._allocator()
-            # As Numba's own manager does: its pending host deallocations flush at a share of
-            # the device's memory, which is unknown until now.
-            if self.deallocations.memory_capacity == size_not_set:
-                self.deallocations.memory_capacity = alloc.backend.mem_get_info()[1]
 
         def memalloc(self, size):
             alloc = registry._allocators.get(self._device)
@@ -245,85 +337,16 @@ def _build():
                         return
             buf.close()
 
-        @contextlib.contextmanager
-        def defer_cleanup(self):
-            # Host allocations are deferred by the base class; device frees here.
-            with super().defer_cleanup():
-                with self._lock:
-                    self._deferring += 1
-                try:
-                    yield
-                finally:
-                    with self._lock:
-                        self._deferring -= 1
-                        held = self._take_deferred() if self._deferring == 0 else []
-                    _close_all(held)
-
-        def _take_deferred(self):
-            held, self._deferred = self._deferred, []
-            return held
-
-        def reset(self):
-            # Dropping the strong references frees every allocation of this context through its
-            # finalizer (the base class's reset), as Numba's own manager does.
-            super().reset()
-            with self._lock:
-                held = self._take_deferred() if self._deferring == 0 else []
-            _close_all(held)
-            alloc = registry._allocators.get(self._device)
-            if alloc is not None:
-                alloc.empty_cache()
-
-        # -------------------------------------------------------------- pinned host memory
-
-        def _host_allocator(self):
-            """pyalloc's process-wide host allocator; refuses one that is not on the GPU."""
-            from pyalloc.host import get_host_allocator
-            host = get_host_allocator()
-            if host.device.kind != "cuda":
-                raise NoCudaDriverError(
-                    f"pyalloc.numba: the host allocator uses the {host.device.kind!r} backend, "
-                    "not 'cuda'; Numba needs pinned memory of the GPU's driver")
-            return host
-
-        def memhostalloc(self, size, mapped=False, portable=False, wc=False):
-            # Mapped and write-combined memory need cuMemHostAlloc flags that pyalloc's cached
-            # blocks do not have: those stay Numba's. `portable` needs nothing: under unified
-            # addressing every context can use pinned memory whatever its flags.
-            if mapped or wc:
-                return super().memhostalloc(size, mapped=mapped, portable=portable, wc=wc)
-            host = self._host_allocator()
-            ptr = host.malloc(size)
-            return driver.PinnedMemory(self._context_ref, ptr, size,
-                                       finalizer=functools.partial(host.free, ptr) if ptr else None)
-
-        # -------------------------------------------------------------- queries
-
-        def get_memory_info(self):
-            alloc = self._allocator()
-            free, total = alloc.backend.mem_get_info()
-            cached = alloc.memory_reserved() - alloc.memory_allocated()
-            return MemoryInfo(free=free + cached, total=total)
-
-        def get_ipc_handle(self, memory):
-            alloc = self._allocator()
-            ptr = _pointer_value(memory)
-            for seg in alloc._segments():
-                if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
-                    if seg["is_expandable"]:
-                        raise NotImplementedError(
-                            f"pyalloc.numba: no IPC handle for {ptr:#x}, a block of an expandable "
-                            "segment (cuIpcGetMemHandle cannot export mapped virtual memory); "
-                            "allocate it without expandable_segments:True")
-                    break
-            return super().get_ipc_handle(memory)
-
-        @property
-        def interface_version(self):
-            return 1
-
     PyallocMemoryManager.__module__ = __name__
     PyallocMemoryManager.__qualname__ = "PyallocMemoryManager"
+    return PyallocMemoryManager
+
+
+def _build():
+    driver = _import_numba_driver()
+    device_pointer, oom_code = _numba_bindings(driver)
+    NumbaOutOfMemoryError = _oom_error_class(driver, oom_code)
+    PyallocMemoryManager = _manager_class(driver, device_pointer, NumbaOutOfMemoryError)
     return {"PyallocMemoryManager": PyallocMemoryManager,
             "NumbaOutOfMemoryError": NumbaOutOfMemoryError,
             # NUMBA_CUDA_MEMORY_MANAGER=pyalloc.numba: Numba imports this module and reads this.

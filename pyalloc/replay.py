@@ -396,6 +396,46 @@ def traced_reservations(entries, device_memory):
     return out
 
 
+def _foreign_release_calls(trace, config, own, check, device, device_memory, memory_fraction):
+    """The entries to replay as empty_cache() calls when `config` is not the trace's own setting
+    `own` (classify_releases under the own setting, same device memory in bytes and fraction);
+    None under the own setting, where the replay classifies as it goes."""
+    if config == own:
+        return None
+    try:
+        foreign = not same_settings(config, own)
+    except ValueError:     # the own setting does not parse here: classify under `config`
+        foreign = False
+    if not foreign:
+        return None
+    if check:      # a corrupt entry is reported as such, not as a failed classification
+        trace.check()
+    return classify_releases(trace, device=device, device_memory=device_memory,
+                             memory_fraction=memory_fraction)
+
+
+def _replay_device(trace, placement, device_memory, device, check):
+    """The SimDevice of `device_memory` bytes a replay runs on: under recorded placement its new
+    segments and expandable reservations go where the trace's did; fresh ones go top-down.
+    Checks the trace's entries first when `check` or recorded placement asks (SnapshotError)."""
+    # Fresh segments go top-down: best fit's address tie-breaks then match PyTorch's runs.
+    sim = SimDevice(device_memory, device=device, top_down=placement == "fresh", any_stream=True)
+    if placement == "recorded" or check:
+        trace.check()
+    if placement == "recorded":
+        sim.place_segments(trace.segment_allocs)
+        if trace.segment_maps:
+            reservations = traced_reservations(trace.entries, device_memory)
+            # A trace that starts after its segments were reserved (a wrapped ring buffer) maps
+            # below the first address it saw of a segment: when a final segment lies outside
+            # every reservation so found, the final snapshot's segments know better.
+            final = [seg["address"] for seg in trace.expandable_segments]
+            if not all(any(base <= a < base + size for base, size in reservations) for a in final):
+                reservations = recorded_reservations(trace, device_memory)
+            sim.place_reservations(reservations)
+    return sim
+
+
 def replay(trace, *, config=None, placement="recorded", device_memory=None, device=0, progress=None,
            on_finish=None, history=False, check=True, progress_every=65536, on_start=None,
            memory_fraction=None, empty_cache_calls=None, attempt_ooms=True, literal_releases=False):
@@ -461,33 +501,12 @@ def replay(trace, *, config=None, placement="recorded", device_memory=None, devi
     # A fraction in `config` is the run's limit as much as one given as memory_fraction: the
     # classification below replays the own setting, which does not carry it.
     memory_fraction = fraction_in_force(config, memory_fraction)
-    if empty_cache_calls is None and config != own:
-        try:
-            foreign = not same_settings(config, own)
-        except ValueError:     # the own setting does not parse here: classify under `config`
-            foreign = False
-        if foreign:
-            if check:      # a corrupt entry is reported as such, not as a failed classification
-                trace.check()
-            empty_cache_calls = classify_releases(trace, device=device, device_memory=device_memory,
-                                                  memory_fraction=memory_fraction)
+    if empty_cache_calls is None:
+        empty_cache_calls = _foreign_release_calls(trace, config, own, check, device, device_memory,
+                                                   memory_fraction)
     # The clock covers everything after the pickle is loaded, reading the events included.
     started = time.perf_counter()
-    # Fresh segments go top-down: best fit's address tie-breaks then match PyTorch's runs.
-    sim = SimDevice(device_memory, device=device, top_down=placement == "fresh", any_stream=True)
-    if placement == "recorded" or check:
-        trace.check()
-    if placement == "recorded":
-        sim.place_segments(trace.segment_allocs)
-        if trace.segment_maps:
-            reservations = traced_reservations(entries, device_memory)
-            # A trace that starts after its segments were reserved (a wrapped ring buffer) maps
-            # below the first address it saw of a segment: when a final segment lies outside
-            # every reservation so found, the final snapshot's segments know better.
-            final = [seg["address"] for seg in trace.expandable_segments]
-            if not all(any(base <= a < base + size for base, size in reservations) for a in final):
-                reservations = recorded_reservations(trace, device_memory)
-            sim.place_reservations(reservations)
+    sim = _replay_device(trace, placement, device_memory, device, check)
     alloc = CachingAllocator(device, backend=sim, config=config)
     if memory_fraction is not None:
         alloc.set_memory_fraction(memory_fraction)

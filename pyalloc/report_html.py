@@ -179,16 +179,143 @@ def _moment_data(moment, tag_index):
             "blocks": blocks, "outside": outside}
 
 
-def view_page(view, title=None):
-    """The `pyalloc view` page of a pyalloc.view.MemoryView, as one HTML string."""
-    from pyalloc.view import MAX_FRAMES, SERIES, format_ms, view_time_ms
+def _view_when(view, event):
+    """'event 1,234, 2.46 ms': an event index and, when the trace has times, its time."""
+    from pyalloc.view import format_ms, view_time_ms
 
-    name = os.path.basename(view.path) or "snapshot"
+    t = view_time_ms(view, event)
+    return f"event {event:,}" + (f", {format_ms(t)}" if t is not None else "")
+
+
+def _view_tags(view):
+    """The page's tags: the view's tag rows, then any tag only a moment's blocks have."""
     tags = [t for t, *_ in view.tags]
     for m in view.moments:                  # blocks whose tag has no row (never counted) still get a colour
         for a, _ in m.blocks:
             if a.tag not in tags:
                 tags.append(a.tag)
+    return tags
+
+
+def _figure_cards(view):
+    """The cards of the page's head: each series' peak (bytes) and the out-of-memory count."""
+    from pyalloc.view import SERIES
+
+    cards = []
+    for s in SERIES:
+        if s in view.peaks:
+            value, event = view.peaks[s]
+            cards.append(f'<div class="card" id="card-{s}"><div class="label"><span class="sw" '
+                         f'style="background:{SERIES_COLOURS[s]}"></span>peak {s}</div>'
+                         f'<div class="value" data-bytes="{value}" title="{value:,} bytes">'
+                         f'{_esc(format_bytes(value))}</div><div class="muted">{_esc(_view_when(view, event))}</div></div>')
+        else:
+            cards.append(f'<div class="card" id="card-{s}"><div class="label">peak {s}</div>'
+                         f'<div class="value">-</div><div class="muted">not available</div></div>')
+    oom_text = (f"{len(view.ooms):,}" if view.ooms else "none")
+    cards.append(f'<div class="card{" bad" if view.ooms else ""}" id="card-oom"><div class="label">'
+                 f'out of memory</div><div class="value" data-ooms="{len(view.ooms)}">{oom_text}</div>'
+                 f'<div class="muted">{_esc(_view_when(view, view.ooms[0].event)) if view.ooms else "no oom entries"}</div></div>')
+    return "".join(cards)
+
+
+def _notes_html(view):
+    """The view's notes as paragraphs, and what allocated bytes are (or why they are missing)."""
+    notes = list(view.notes)
+    if view.allocated_note:
+        notes.append("Allocated bytes are not shown: " + view.allocated_note + ".")
+    else:
+        notes.append("Allocated bytes are block sizes, which PyTorch's trace does not record: they come "
+                     "from replaying the trace through pyalloc under its own setting; requested bytes "
+                     "are the trace's own sizes, reserved bytes its segment events.")
+    attrs = [' class="note warn" id="wrapped-note"' if view.wrapped and i == 0 else ' class="note"'
+             for i in range(len(notes))]
+    return "".join(f"<p{a}>{_esc(n)}</p>" for a, n in zip(attrs, notes))
+
+
+def _timeline_legend(view):
+    from pyalloc.view import SERIES
+
+    legend = "".join(f'<span><span class="sw" style="background:{SERIES_COLOURS[s]}"></span>{s}</span>'
+                     for s in SERIES if s in view.hi)
+    legend += '<span><span class="sw oom"></span>out of memory</span>' if view.ooms else ""
+    return legend
+
+
+def _segment_maps(view):
+    """A heading and an empty host (drawn by the page's script) per moment of the view."""
+    maps = []
+    for m in view.moments:
+        maps.append(
+            f'<div class="map" id="map-{m.name}"><h3>Segments at the {_esc(m.title)} '
+            f'<span class="muted">({_esc(_view_when(view, m.event))}: {len(m.segments):,} segments, '
+            f'{_esc(format_bytes(m.reserved))} reserved, {_esc(format_bytes(m.allocated))} in '
+            f'{sum(1 for _, s in m.blocks if s == "allocated"):,} live blocks)</span></h3>'
+            f'<div class="maphost" data-moment="{m.name}"></div></div>')
+    return "".join(maps)
+
+
+def _colour_legends(tags, colours):
+    """(the legend of block states, the legend of tags) of the segment maps."""
+    state_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(k.replace("_", " "))}'
+                           f'</span>' for k, c in STATE_COLOURS.items())
+    tag_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(_short_tag(t))}</span>'
+                         for t, c in zip(tags, colours))
+    return state_legend, tag_legend
+
+
+def _top_table(view, colours, tag_index, top_stacks):
+    """The table of the largest blocks live at the peak (`top_stacks`: their stack cells)."""
+    rows = []
+    for rank, a in enumerate(view.top, 1):
+        rows.append(f'<tr><td class="num">{rank}</td>{_bytes_cell(a.size)}{_bytes_cell(a.requested)}'
+                    f'<td><span class="sw" style="background:{colours[tag_index[a.tag]]}"></span>'
+                    f'{_esc(_short_tag(a.tag))}</td>'
+                    f'<td class="num">{_esc(_view_when(view, a.start) if a.start >= 0 else "before the trace")}</td>'
+                    f'<td class="mono">0x{a.addr:x}</td><td>{a.stream}</td>'
+                    f'{top_stacks[rank - 1]}</tr>')
+    top_html = (f'<table id="top-table"><thead><tr><th>#</th><th>block</th><th>requested</th><th>tag</th>'
+                f'<th>allocated at</th><th>address</th><th>stream</th><th>stack (innermost first)</th></tr>'
+                f'</thead><tbody>{"".join(rows)}</tbody></table>' if rows
+                else '<p class="muted">no allocation was live at the peak</p>')
+    if not any(a.frames for a in view.top):
+        top_html += ('<p class="muted">This trace has no stack frames: record with '
+                     '<code>_record_memory_history(context="alloc")</code> or <code>"all"</code> to see them.</p>')
+    return top_html
+
+
+def _tags_table(view, colours, tag_index):
+    """The table of bytes per tag: at the peak, its share of the peak, the tag's own peak."""
+    peak_total = sum(b for _, b, _, _ in view.tags) or 1
+    tag_rows = "".join(
+        f'<tr data-tag="{_esc(_short_tag(t) if t else "")}"><td><span class="sw" style="background:{colours[tag_index[t]]}"></span>'
+        f'{_esc(_short_tag(t))}</td>{_bytes_cell(b)}<td class="num">{100 * b / peak_total:.1f}%</td>'
+        f'{_bytes_cell(p)}<td class="num">{c:,}</td></tr>' for t, b, p, c in view.tags)
+    return (f'<table id="tag-table"><thead><tr><th>tag (user_metadata)</th><th>at the peak</th>'
+            f'<th>share</th><th>the tag\'s own peak</th><th>allocations</th></tr></thead>'
+            f'<tbody>{tag_rows}</tbody></table>')
+
+
+def _oom_section(view, oom_stacks):
+    """The section listing the first 200 oom entries ('' when there is none)."""
+    if not view.ooms:
+        return ""
+    oom_rows = "".join(
+        f'<tr><td class="num">{_esc(_view_when(view, o.event))}</td>{_bytes_cell(o.requested)}{_bytes_cell(o.device_free)}'
+        f'<td>{o.stream}</td><td>{_esc(_short_tag(o.tag))}</td>{cell}</tr>'
+        for o, cell in zip(view.ooms[:200], oom_stacks))
+    more = (f'<p class="muted">{len(view.ooms) - 200:,} more not listed</p>' if len(view.ooms) > 200 else "")
+    return (f'<section id="ooms"><h2>Out of memory</h2><table id="oom-table"><thead><tr><th>when</th>'
+            f'<th>requested</th><th>free on the device</th><th>stream</th><th>tag</th><th>stack</th></tr>'
+            f'</thead><tbody>{oom_rows}</tbody></table>{more}</section>')
+
+
+def view_page(view, title=None):
+    """The `pyalloc view` page of a pyalloc.view.MemoryView, as one HTML string."""
+    from pyalloc.view import MAX_FRAMES, SERIES
+
+    name = os.path.basename(view.path) or "snapshot"
+    tags = _view_tags(view)
     tag_index = {t: i for i, t in enumerate(tags)}
     colours = _tag_colours(tags)
     stacks = _StackTable(MAX_FRAMES)
@@ -206,100 +333,16 @@ def view_page(view, title=None):
         "moments": [_moment_data(m, tag_index) for m in view.moments],
         "strings": stacks.strings, "stacks": stacks.stacks,
     }
-
-    def when(event):
-        t = view_time_ms(view, event)
-        return f"event {event:,}" + (f", {format_ms(t)}" if t is not None else "")
-
-    cards = []
-    for s in SERIES:
-        if s in view.peaks:
-            value, event = view.peaks[s]
-            cards.append(f'<div class="card" id="card-{s}"><div class="label"><span class="sw" '
-                         f'style="background:{SERIES_COLOURS[s]}"></span>peak {s}</div>'
-                         f'<div class="value" data-bytes="{value}" title="{value:,} bytes">'
-                         f'{_esc(format_bytes(value))}</div><div class="muted">{_esc(when(event))}</div></div>')
-        else:
-            cards.append(f'<div class="card" id="card-{s}"><div class="label">peak {s}</div>'
-                         f'<div class="value">-</div><div class="muted">not available</div></div>')
-    oom_text = (f"{len(view.ooms):,}" if view.ooms else "none")
-    cards.append(f'<div class="card{" bad" if view.ooms else ""}" id="card-oom"><div class="label">'
-                 f'out of memory</div><div class="value" data-ooms="{len(view.ooms)}">{oom_text}</div>'
-                 f'<div class="muted">{_esc(when(view.ooms[0].event)) if view.ooms else "no oom entries"}</div></div>')
-
-    notes = list(view.notes)
-    if view.allocated_note:
-        notes.append("Allocated bytes are not shown: " + view.allocated_note + ".")
-    else:
-        notes.append("Allocated bytes are block sizes, which PyTorch's trace does not record: they come "
-                     "from replaying the trace through pyalloc under its own setting; requested bytes "
-                     "are the trace's own sizes, reserved bytes its segment events.")
-    attrs = [' class="note warn" id="wrapped-note"' if view.wrapped and i == 0 else ' class="note"'
-             for i in range(len(notes))]
-    notes_html = "".join(f"<p{a}>{_esc(n)}</p>" for a, n in zip(attrs, notes))
-
-    legend = "".join(f'<span><span class="sw" style="background:{SERIES_COLOURS[s]}"></span>{s}</span>'
-                     for s in SERIES if s in view.hi)
-    legend += '<span><span class="sw oom"></span>out of memory</span>' if view.ooms else ""
-
-    maps = []
-    for m in view.moments:
-        maps.append(
-            f'<div class="map" id="map-{m.name}"><h3>Segments at the {_esc(m.title)} '
-            f'<span class="muted">({_esc(when(m.event))}: {len(m.segments):,} segments, '
-            f'{_esc(format_bytes(m.reserved))} reserved, {_esc(format_bytes(m.allocated))} in '
-            f'{sum(1 for _, s in m.blocks if s == "allocated"):,} live blocks)</span></h3>'
-            f'<div class="maphost" data-moment="{m.name}"></div></div>')
-    state_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(k.replace("_", " "))}'
-                           f'</span>' for k, c in STATE_COLOURS.items())
-    tag_legend = "".join(f'<span><span class="sw" style="background:{c}"></span>{_esc(_short_tag(t))}</span>'
-                         for t, c in zip(tags, colours))
-
-    peak_label = f"{view.peak_moment.title} ({when(view.peak_moment.event)})"
-    rows = []
-    for rank, a in enumerate(view.top, 1):
-        rows.append(f'<tr><td class="num">{rank}</td>{_bytes_cell(a.size)}{_bytes_cell(a.requested)}'
-                    f'<td><span class="sw" style="background:{colours[tag_index[a.tag]]}"></span>'
-                    f'{_esc(_short_tag(a.tag))}</td>'
-                    f'<td class="num">{_esc(when(a.start) if a.start >= 0 else "before the trace")}</td>'
-                    f'<td class="mono">0x{a.addr:x}</td><td>{a.stream}</td>'
-                    f'{top_stacks[rank - 1]}</tr>')
-    top_html = (f'<table id="top-table"><thead><tr><th>#</th><th>block</th><th>requested</th><th>tag</th>'
-                f'<th>allocated at</th><th>address</th><th>stream</th><th>stack (innermost first)</th></tr>'
-                f'</thead><tbody>{"".join(rows)}</tbody></table>' if rows
-                else '<p class="muted">no allocation was live at the peak</p>')
-    if not any(a.frames for a in view.top):
-        top_html += ('<p class="muted">This trace has no stack frames: record with '
-                     '<code>_record_memory_history(context="alloc")</code> or <code>"all"</code> to see them.</p>')
-
-    peak_total = sum(b for _, b, _, _ in view.tags) or 1
-    tag_rows = "".join(
-        f'<tr data-tag="{_esc(_short_tag(t) if t else "")}"><td><span class="sw" style="background:{colours[tag_index[t]]}"></span>'
-        f'{_esc(_short_tag(t))}</td>{_bytes_cell(b)}<td class="num">{100 * b / peak_total:.1f}%</td>'
-        f'{_bytes_cell(p)}<td class="num">{c:,}</td></tr>' for t, b, p, c in view.tags)
-    tags_html = (f'<table id="tag-table"><thead><tr><th>tag (user_metadata)</th><th>at the peak</th>'
-                 f'<th>share</th><th>the tag\'s own peak</th><th>allocations</th></tr></thead>'
-                 f'<tbody>{tag_rows}</tbody></table>')
-
-    oom_html = ""
-    if view.ooms:
-        oom_rows = "".join(
-            f'<tr><td class="num">{_esc(when(o.event))}</td>{_bytes_cell(o.requested)}{_bytes_cell(o.device_free)}'
-            f'<td>{o.stream}</td><td>{_esc(_short_tag(o.tag))}</td>{cell}</tr>'
-            for o, cell in zip(view.ooms[:200], oom_stacks))
-        more = (f'<p class="muted">{len(view.ooms) - 200:,} more not listed</p>' if len(view.ooms) > 200 else "")
-        oom_html = (f'<section id="ooms"><h2>Out of memory</h2><table id="oom-table"><thead><tr><th>when</th>'
-                    f'<th>requested</th><th>free on the device</th><th>stream</th><th>tag</th><th>stack</th></tr>'
-                    f'</thead><tbody>{oom_rows}</tbody></table>{more}</section>')
-
+    state_legend, tag_legend = _colour_legends(tags, colours)
+    peak_label = f"{view.peak_moment.title} ({_view_when(view, view.peak_moment.event)})"
     body = f"""<header><h1>Where the memory went: {_esc(name)}</h1>
 <p class="muted">{view.events:,} trace events on device {view.device}; allocator setting
 <code>{_esc(view.config or "(defaults)")}</code>; timeline buckets of {view.bucket:,} event{"s" if view.bucket > 1 else ""}
 (each keeps its minimum and maximum)</p></header>
-<section id="figures" class="cards">{"".join(cards)}</section>
-<section id="notes">{notes_html}</section>
+<section id="figures" class="cards">{_figure_cards(view)}</section>
+<section id="notes">{_notes_html(view)}</section>
 <section id="timeline-section"><h2>Memory over the trace</h2>
-<div class="legend">{legend}</div><div id="timeline"></div></section>
+<div class="legend">{_timeline_legend(view)}</div><div id="timeline"></div></section>
 <section id="segments"><h2>Segment maps</h2>
 <p class="muted">Each strip is the reserved memory in address order, wrapped into rows; a dark tick starts a
 segment. Hover for details.</p>
@@ -307,10 +350,10 @@ segment. Hover for details.</p>
 <label><input type="radio" name="colour-by" value="tag" autocomplete="off"> tag</label></div>
 <div class="legend" id="state-legend">{state_legend}</div>
 <div class="legend" id="tag-legend" hidden>{tag_legend}<span><span class="sw" style="background:{STATE_COLOURS["free"]}"></span>free</span></div>
-{"".join(maps)}</section>
-<section id="top"><h2>Largest live allocations at the {_esc(peak_label)}</h2>{top_html}</section>
-<section id="tags"><h2>Bytes per tag</h2>{tags_html}</section>
-{oom_html}
+{_segment_maps(view)}</section>
+<section id="top"><h2>Largest live allocations at the {_esc(peak_label)}</h2>{_top_table(view, colours, tag_index, top_stacks)}</section>
+<section id="tags"><h2>Bytes per tag</h2>{_tags_table(view, colours, tag_index)}</section>
+{_oom_section(view, oom_stacks)}
 <footer class="muted">pyalloc view of {_esc(view.path or name)}</footer>"""
     return _page(title or f"pyalloc view: {name}", body, data, "report_view.js")
 

@@ -353,138 +353,158 @@ def _block_sizes(trace, config, peak_reserved):
 
 # ------------------------------------------------------------------------------- the walk
 
-def analyze(snapshot, *, device=0, path="", buckets=DEFAULT_BUCKETS, top=TOP_ALLOCATIONS,
-            block_sizes=True):
-    """Rebuild a trace's memory over time (see the module docstring). Returns a MemoryView.
-
-    `snapshot`: a snapshot dict or a pyalloc.trace.Trace of `device` (the command line's, read
-    once). `block_sizes=False` skips the replay: allocated bytes are then not reported. Raises
-    SnapshotError when the snapshot holds no trace for `device`, or a tag or stack of the wrong
-    shape (_Strings).
-    """
-    # No check here: the walk reads only what it finds, and the replay checks what it reads.
-    trace = as_trace(snapshot, device, check=False)
-    snapshot = trace.snapshot
-    entries = trace.entries
-    n = len(entries)
-    config = trace.own_config
-    strings = _Strings()
-    scan = _prescan(entries)
-    init_blocks, init_ranges = _initial_state(snapshot, entries, device, scan, strings)
+def _allocated_sizes(trace, config, peak_reserved, block_sizes):
+    """(block sizes, have_allocated, allocated_note, notes) for analyze: the replay's
+    {alloc event index: block bytes} ({} when allocated bytes are not known), whether they are,
+    why not (None when they are), and the page's notes so far (a replay's partial failure)."""
     notes = []
     if block_sizes:
-        sizes, allocated_note = _block_sizes(trace, config, scan[-1])
+        sizes, allocated_note = _block_sizes(trace, config, peak_reserved)
     else:
         sizes, allocated_note = None, "allocated bytes were not computed (no replay asked for)"
     if sizes is None:
-        sizes = {}
-        have_allocated = False
-    else:
-        have_allocated = True
-        if allocated_note:
-            notes.append(allocated_note)
-            allocated_note = None
+        return {}, False, allocated_note, notes
+    if allocated_note:     # some allocations failed in the replay: a note, not a missing series
+        notes.append(allocated_note)
+    return sizes, True, None, notes
 
-    live = {}
-    allocs = list(init_blocks)
-    ranges = list(init_ranges)
-    segs = {}
-    mapped = {}
-    tag_live, tag_peak, tag_count = {}, {}, {}
-    reserved = requested = allocated = 0
-    for r in init_ranges:
-        reserved += r.size
-        if r.expandable:
-            mapped[r.addr] = r
-        else:
-            segs[r.addr] = r
-    for a in init_blocks:
-        live[a.addr] = a
-        if a.free_requested is None:
-            requested += a.requested
-            allocated += a.size
-            tag_live[a.tag] = tag_live.get(a.tag, 0) + a.size
-    for tag, v in tag_live.items():
-        tag_peak[tag] = v
-    initial = {"reserved": reserved, "allocated": allocated, "requested": requested,
-               "blocks": len(init_blocks), "segments": len(init_ranges)}
-    wrapped = bool(init_blocks or init_ranges)
 
-    bucket = max(1, math.ceil(n / max(1, buckets)))
+class _Walk:
+    """What the allocator holds as the walk applies the trace's entries one by one: live blocks
+    (by address) and every block seen, reserved ranges, bytes reserved / allocated / requested,
+    per-tag live bytes, peaks and counts, and the trace's oom entries. Starts from the blocks and
+    ranges in use before the first event (_initial_state)."""
+
+    def __init__(self, init_blocks, init_ranges, sizes, strings):
+        self.sizes = sizes              # {alloc event index: block bytes} from the replay
+        self.strings = strings
+        self.live = {}
+        self.allocs = list(init_blocks)
+        self.ranges = list(init_ranges)
+        self.segs = {}                  # address -> Range of a live cudaMalloc'd segment
+        self.mapped = {}                # address -> Range of a mapped piece of an expandable segment
+        self.tag_live, self.tag_peak, self.tag_count = {}, {}, {}
+        self.ooms = []
+        reserved = requested = allocated = 0
+        for r in init_ranges:
+            reserved += r.size
+            if r.expandable:
+                self.mapped[r.addr] = r
+            else:
+                self.segs[r.addr] = r
+        for a in init_blocks:
+            self.live[a.addr] = a
+            if a.free_requested is None:
+                requested += a.requested
+                allocated += a.size
+                self.tag_live[a.tag] = self.tag_live.get(a.tag, 0) + a.size
+        for tag, v in self.tag_live.items():
+            self.tag_peak[tag] = v
+        self.reserved, self.requested, self.allocated = reserved, requested, allocated
+        self.initial = {"reserved": reserved, "allocated": allocated, "requested": requested,
+                        "blocks": len(init_blocks), "segments": len(init_ranges)}
+
+    def _alloc(self, i, e):
+        size = e["size"]
+        block = self.sizes.get(i)
+        strings = self.strings
+        a = Allocation(e["addr"], size, block if block is not None else _round_block(size),
+                       strings.tag(e, i), i, e.get("stream", 0),
+                       strings.frames(e, i),
+                       estimated=block is None)
+        self.live[a.addr] = a
+        self.allocs.append(a)
+        self.requested += size
+        self.allocated += a.size
+        tag = a.tag
+        v = self.tag_live[tag] = self.tag_live.get(tag, 0) + a.size
+        self.tag_count[tag] = self.tag_count.get(tag, 0) + 1
+        if v > self.tag_peak.get(tag, 0):
+            self.tag_peak[tag] = v
+        return True
+
+    def _free(self, i, e):
+        # free_requested drops the figures; free_completed (after it, or alone) ends the block.
+        a = self.live.get(e["addr"])
+        if a is None:
+            return False
+        changed = a.free_requested is None
+        if changed:
+            a.free_requested = i
+            self.requested -= a.requested
+            self.allocated -= a.size
+            self.tag_live[a.tag] -= a.size
+        if e["action"] == "free_completed":
+            a.end = i
+            del self.live[a.addr]
+        return changed
+
+    def _segment_alloc(self, i, e):
+        r = self.segs[e["addr"]] = Range(e["addr"], e["size"], i)
+        self.ranges.append(r)
+        self.reserved += e["size"]
+        return True
+
+    def _segment_free(self, i, e):
+        r = self.segs.pop(e["addr"], None)
+        if r is None:
+            return False
+        r.end = i
+        self.reserved -= r.size
+        return True
+
+    def _segment_map(self, i, e):
+        r = self.mapped[e["addr"]] = Range(e["addr"], e["size"], i, expandable=True)
+        self.ranges.append(r)
+        self.reserved += e["size"]
+        return True
+
+    def _segment_unmap(self, i, e):
+        mapped = self.mapped
+        start, end = e["addr"], e["addr"] + e["size"]
+        for r in [r for r in mapped.values() if r.addr < end and r.addr + r.size > start]:
+            del mapped[r.addr]
+            r.end = i
+            self.reserved -= min(end, r.addr + r.size) - max(start, r.addr)
+            for s, t in ((r.addr, start), (end, r.addr + r.size)):
+                if t > s:      # the parts of the piece left mapped
+                    piece = mapped[s] = Range(s, t - s, i, expandable=True)
+                    self.ranges.append(piece)
+        return True
+
+    def _other(self, i, e):
+        # Any other action changes no figure; an oom entry is kept for the page.
+        if e["action"] == "oom":
+            strings = self.strings
+            self.ooms.append(Oom(i, e.get("size", 0), e.get("device_free", e.get("addr", 0)),
+                                 e.get("stream", 0), e.get("time_us"), strings.tag(e, i),
+                                 strings.frames(e, i)))
+        return False
+
+    # How each action changes the state: handler(walk, event index, entry) -> True when it
+    # changed a figure. Other actions go to _other.
+    HANDLERS = {"alloc": _alloc, "free_requested": _free, "free_completed": _free,
+                 "segment_alloc": _segment_alloc, "segment_free": _segment_free,
+                 "segment_map": _segment_map, "segment_unmap": _segment_unmap}
+
+
+def _timeline(entries, walk, bucket):
+    """Apply every entry to `walk` (_Walk), keeping per bucket of `bucket` events the minimum
+    and maximum of each figure (so that no downsampling loses a peak), and each figure's peak.
+    Returns (bucket starts, their times in ms after the first timed event, lo, hi,
+    peaks {series: (bytes, first event at that value)}, the first event's time_us or None)."""
     starts, times = [], []
     lo = {s: [] for s in SERIES}
     hi = {s: [] for s in SERIES}
     lo_r = hi_r = lo_a = hi_a = lo_q = hi_q = 0
     peak_r = peak_a = peak_q = -1
     at_r = at_a = at_q = 0
-    ooms = []
     t0 = None
     next_start = 0
+    handlers, other = walk.HANDLERS, _Walk._other
     for i, e in enumerate(entries):
-        action = e["action"]
-        changed = True
-        if action == "alloc":
-            size = e["size"]
-            block = sizes.get(i)
-            a = Allocation(e["addr"], size, block if block is not None else _round_block(size),
-                           strings.tag(e, i), i, e.get("stream", 0),
-                           strings.frames(e, i),
-                           estimated=block is None)
-            live[a.addr] = a
-            allocs.append(a)
-            requested += size
-            allocated += a.size
-            tag = a.tag
-            v = tag_live[tag] = tag_live.get(tag, 0) + a.size
-            tag_count[tag] = tag_count.get(tag, 0) + 1
-            if v > tag_peak.get(tag, 0):
-                tag_peak[tag] = v
-        elif action == "free_requested" or action == "free_completed":
-            a = live.get(e["addr"])
-            if a is None:
-                changed = False
-            else:
-                if a.free_requested is None:
-                    a.free_requested = i
-                    requested -= a.requested
-                    allocated -= a.size
-                    tag_live[a.tag] -= a.size
-                else:
-                    changed = False
-                if action == "free_completed":
-                    a.end = i
-                    del live[a.addr]
-        elif action == "segment_alloc":
-            r = segs[e["addr"]] = Range(e["addr"], e["size"], i)
-            ranges.append(r)
-            reserved += e["size"]
-        elif action == "segment_free":
-            r = segs.pop(e["addr"], None)
-            if r is not None:
-                r.end = i
-                reserved -= r.size
-            else:
-                changed = False
-        elif action == "segment_map":
-            r = mapped[e["addr"]] = Range(e["addr"], e["size"], i, expandable=True)
-            ranges.append(r)
-            reserved += e["size"]
-        elif action == "segment_unmap":
-            start, end = e["addr"], e["addr"] + e["size"]
-            for r in [r for r in mapped.values() if r.addr < end and r.addr + r.size > start]:
-                del mapped[r.addr]
-                r.end = i
-                reserved -= min(end, r.addr + r.size) - max(start, r.addr)
-                for s, t in ((r.addr, start), (end, r.addr + r.size)):
-                    if t > s:      # the parts of the piece left mapped
-                        piece = mapped[s] = Range(s, t - s, i, expandable=True)
-                        ranges.append(piece)
-        else:
-            changed = False
-            if action == "oom":
-                ooms.append(Oom(i, e.get("size", 0), e.get("device_free", e.get("addr", 0)),
-                                e.get("stream", 0), e.get("time_us"), strings.tag(e, i),
-                                strings.frames(e, i)))
+        changed = handlers.get(e["action"], other)(walk, i, e)
+        reserved, allocated, requested = walk.reserved, walk.allocated, walk.requested
         if i == next_start:
             if i:
                 lo["reserved"].append(lo_r), hi["reserved"].append(hi_r)
@@ -520,63 +540,114 @@ def analyze(snapshot, *, device=0, path="", buckets=DEFAULT_BUCKETS, top=TOP_ALL
             peak_a, at_a = allocated, i
         if requested > peak_q:
             peak_q, at_q = requested, i
-    if n:
+    if starts:     # the last bucket, unless the trace is empty
         lo["reserved"].append(lo_r), hi["reserved"].append(hi_r)
         lo["allocated"].append(lo_a), hi["allocated"].append(hi_a)
         lo["requested"].append(lo_q), hi["requested"].append(hi_q)
     peaks = {"reserved": (peak_r, at_r), "allocated": (peak_a, at_a), "requested": (peak_q, at_q)}
-    if not have_allocated:
-        del lo["allocated"], hi["allocated"], peaks["allocated"]
+    return starts, times, lo, hi, peaks, t0
 
-    def moment(name, title, t):
-        segments = []
-        for r in sorted((r for r in ranges if r.live_at(t)), key=lambda r: r.addr):
-            # Adjacent mapped pieces of an expandable segment show as one segment.
-            if r.expandable and segments and segments[-1][2] and segments[-1][0] + segments[-1][1] == r.addr:
-                segments[-1] = (segments[-1][0], segments[-1][1] + r.size, True)
-            else:
-                segments.append((r.addr, r.size, r.expandable))
-        blocks = [(a, "pending_free" if a.pending_at(t) else "allocated") for a in allocs if a.live_at(t)]
-        blocks.sort(key=lambda b: b[0].addr)
-        return Moment(name, title, t, segments, blocks)
 
-    series = "allocated" if have_allocated else "requested"
-    peak_event = peaks[series][1]
-    moments = [moment("peak", f"peak {series}", peak_event)]
-    if ooms:
-        moments.append(moment("oom", "first out-of-memory" if len(ooms) > 1 else "out-of-memory",
-                              ooms[0].event))
-    peak = moments[0]
+def _moment(name, title, t, ranges, allocs):
+    """The Moment after event `t`: the Ranges and Allocations live then, in address order."""
+    segments = []
+    for r in sorted((r for r in ranges if r.live_at(t)), key=lambda r: r.addr):
+        # Adjacent mapped pieces of an expandable segment show as one segment.
+        if r.expandable and segments and segments[-1][2] and segments[-1][0] + segments[-1][1] == r.addr:
+            segments[-1] = (segments[-1][0], segments[-1][1] + r.size, True)
+        else:
+            segments.append((r.addr, r.size, r.expandable))
+    blocks = [(a, "pending_free" if a.pending_at(t) else "allocated") for a in allocs if a.live_at(t)]
+    blocks.sort(key=lambda b: b[0].addr)
+    return Moment(name, title, t, segments, blocks)
+
+
+def _peak_tables(peak, walk, top):
+    """(the `top` largest blocks allocated at the Moment `peak`, the tag rows
+    (tag, bytes at the peak, the tag's own peak, allocations) largest first)."""
     top_blocks = sorted((a for a, state in peak.blocks if state == "allocated"),
                         key=lambda a: (-a.size, a.start))[:top]
     at_peak = {}
     for a, state in peak.blocks:
         if state == "allocated":
             at_peak[a.tag] = at_peak.get(a.tag, 0) + a.size
+    tag_peak, tag_count = walk.tag_peak, walk.tag_count
     tags = sorted(((t, at_peak.get(t, 0), tag_peak.get(t, 0), tag_count.get(t, 0))
                    for t in set(tag_peak) | set(at_peak)),
                   key=lambda x: (-x[1], -x[2], x[0]))
+    return top_blocks, tags
 
+
+def _event_times(entries, t0, events):
+    """{event index: ms after the first timed event (time_us t0)} of the `events` that have a time."""
     event_ms = {}
     if t0 is not None:
-        named = {e for _, e in peaks.values()} | {o.event for o in ooms} | {a.start for a in top_blocks}
-        for i in named:
+        n = len(entries)
+        for i in events:
             time_us = entries[i].get("time_us") if 0 <= i < n else None
             if time_us is not None:
                 event_ms[i] = (time_us - t0) / 1000
+    return event_ms
+
+
+def _wrapped_notes(init_blocks, initial):
+    """The page's notes on a trace that starts with memory in use (see the module docstring)."""
+    notes = [(
+        "The trace starts in the middle of the run (its ring buffer wrapped, or recording started "
+        f"late): {len(init_blocks):,} blocks ({format_bytes(initial['allocated'])}) and "
+        f"{format_bytes(initial['reserved'])} of segments were in use before its first event. "
+        "This page starts from what the snapshot's final segments imply: segments and live blocks "
+        "the trace never allocated, and those it frees before allocating them.")]
+    if any(a.estimated and a.start < 0 for a in init_blocks):
+        notes.append("Blocks freed before the trace allocates them have estimated sizes (their "
+                     "requested size rounded to 512 bytes).")
+    return notes
+
+
+def analyze(snapshot, *, device=0, path="", buckets=DEFAULT_BUCKETS, top=TOP_ALLOCATIONS,
+            block_sizes=True):
+    """Rebuild a trace's memory over time (see the module docstring). Returns a MemoryView.
+
+    `snapshot`: a snapshot dict or a pyalloc.trace.Trace of `device` (the command line's, read
+    once). `block_sizes=False` skips the replay: allocated bytes are then not reported. Raises
+    SnapshotError when the snapshot holds no trace for `device`, or a tag or stack of the wrong
+    shape (_Strings).
+    """
+    # No check here: the walk reads only what it finds, and the replay checks what it reads.
+    trace = as_trace(snapshot, device, check=False)
+    snapshot = trace.snapshot
+    entries = trace.entries
+    n = len(entries)
+    config = trace.own_config
+    strings = _Strings()
+    scan = _prescan(entries)
+    init_blocks, init_ranges = _initial_state(snapshot, entries, device, scan, strings)
+    sizes, have_allocated, allocated_note, notes = _allocated_sizes(trace, config, scan[-1],
+                                                                    block_sizes)
+    walk = _Walk(init_blocks, init_ranges, sizes, strings)
+    initial = walk.initial
+    wrapped = bool(init_blocks or init_ranges)
+    bucket = max(1, math.ceil(n / max(1, buckets)))
+    starts, times, lo, hi, peaks, t0 = _timeline(entries, walk, bucket)
+    if not have_allocated:
+        del lo["allocated"], hi["allocated"], peaks["allocated"]
+    ooms, reserved = walk.ooms, walk.reserved
+
+    series = "allocated" if have_allocated else "requested"
+    moments = [_moment("peak", f"peak {series}", peaks[series][1], walk.ranges, walk.allocs)]
+    if ooms:
+        moments.append(_moment("oom", "first out-of-memory" if len(ooms) > 1 else "out-of-memory",
+                               ooms[0].event, walk.ranges, walk.allocs))
+    top_blocks, tags = _peak_tables(moments[0], walk, top)
+    event_ms = _event_times(entries, t0, {e for _, e in peaks.values()} | {o.event for o in ooms}
+                            | {a.start for a in top_blocks})
     final_snapshot = None
     if snapshot.get("segments"):
         final_snapshot = sum(s["total_size"] for s in snapshot["segments"] if s.get("device", device) == device)
     if wrapped:
-        notes.insert(0, (
-            "The trace starts in the middle of the run (its ring buffer wrapped, or recording started "
-            f"late): {len(init_blocks):,} blocks ({format_bytes(initial['allocated'])}) and "
-            f"{format_bytes(initial['reserved'])} of segments were in use before its first event. "
-            "This page starts from what the snapshot's final segments imply: segments and live blocks "
-            "the trace never allocated, and those it frees before allocating them."))
-        if any(a.estimated and a.start < 0 for a in init_blocks):
-            notes.append("Blocks freed before the trace allocates them have estimated sizes (their "
-                         "requested size rounded to 512 bytes).")
+        first, *more = _wrapped_notes(init_blocks, initial)
+        notes.insert(0, first)
+        notes.extend(more)
     if final_snapshot is not None and final_snapshot != reserved:
         notes.append(f"The trace ends with {format_bytes(reserved)} reserved but the snapshot's segments "
                      f"hold {format_bytes(final_snapshot)}: events are missing from the trace.")
