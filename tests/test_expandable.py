@@ -18,8 +18,7 @@ from pyalloc.replay import replay
 import backends
 from backends import backend, sim_only  # noqa: F401 (backend: the autouse fixture)
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 TRACES = Path(__file__).resolve().parent / "data"     # PyTorch traces (tests/data/README.md)
 COUNTERS = "counts backend calls (SimDevice.counters)"
 DEVICE_SIZE = "needs a device of a chosen size (SimDevice's total_memory) for its out-of-memory paths"

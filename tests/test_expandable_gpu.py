@@ -15,7 +15,7 @@ from gpu_helpers import NEEDS_GPU, uint32_view as view   # noqa: E402
 
 pytestmark = NEEDS_GPU
 
-MiB = 1 << 20
+from units import MiB
 
 
 @pytest.fixture

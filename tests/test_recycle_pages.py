@@ -5,8 +5,7 @@ import pytest
 from pyalloc import CachingAllocator, CudaError, OutOfMemoryError, ReuseError, SimDevice
 from pyalloc.config import CudaAllocatorConfig
 
-MiB = 1 << 20
-GiB = 1 << 30
+from units import MiB, GiB
 PAGE = 2 * MiB
 POLICY = "expandable_segments:True,recycle_pages:True"
 

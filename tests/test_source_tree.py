@@ -308,3 +308,26 @@ def test_a_long_function_is_named_with_its_file_and_length(tmp_path):
     source.write_text(f"cdef int long_one(int a) nogil:\n{body}")
     assert over_limit([source], function_lengths, root=tmp_path) == [
         f"pyalloc/_long.pyx: long_one (def line 1) is {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def unit_definitions(text):
+    """The byte units (KiB, MiB, GiB, TiB) a module assigns at its top level."""
+    found = []
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                names = target.elts if isinstance(target, ast.Tuple) else [target]
+                found += [n.id for n in names if isinstance(n, ast.Name)
+                          and n.id in ("KiB", "MiB", "GiB", "TiB")]
+    return found
+
+
+def test_the_tests_take_their_byte_units_from_one_module():
+    tests = Path(__file__).resolve().parent
+    defined = {f.name: unit_definitions(f.read_text()) for f in sorted(tests.glob("*.py"))
+               if f.name != "units.py"}
+    assert {name: units for name, units in defined.items() if units} == {}
+
+
+def test_a_module_that_defines_its_own_units_is_found():
+    assert unit_definitions("MiB = 1 << 20\nKiB, GiB = 1 << 10, 1 << 30\nx = MiB\n") == ["MiB", "KiB", "GiB"]
