@@ -18,6 +18,7 @@ seconds (the test thread is blocked in a synchronizing driver call), a watchdog 
 every flag, as if the work had finished; `watchdog_releases` counts how often.
 """
 import ctypes
+import os
 import threading
 import time
 
@@ -64,7 +65,15 @@ def sim_only(reason):
     return mark
 
 
-@pytest.fixture(autouse=True, params=["sim", "cuda"])
+# PYALLOC_TEST_BACKENDS (default "sim,cuda") picks the backends; the fake-driver conformance run
+# (test_conformance_fake_driver.py) asks for "cuda" alone: the [sim] cases run in the main suite.
+BACKENDS = os.environ.get("PYALLOC_TEST_BACKENDS", "sim,cuda").split(",")
+if not BACKENDS or not set(BACKENDS) <= {"sim", "cuda"}:
+    raise ValueError(f"PYALLOC_TEST_BACKENDS must name sim and/or cuda, comma-separated, "
+                     f"got {os.environ.get('PYALLOC_TEST_BACKENDS')!r}")
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
 def backend(request):
     """Every test once per backend: SimDevice, and the GPU where there is one."""
     global _backend

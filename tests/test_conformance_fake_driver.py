@@ -30,7 +30,7 @@ def fake_env(fake_libcuda, tmp_path_factory):
     # The CUDA property machine's examples: 60 in the default (quick) profile, which keeps the
     # README's test command under its time budget (150 took 31 s of the suite's one-core time),
     # 150 under PYALLOC_TEST_PROFILE=thorough.
-    env = child_env(fake_libcuda, 1, 64 << 30,
+    env = child_env(fake_libcuda, 1, 64 << 30, PYALLOC_TEST_BACKENDS="cuda",
                     PYALLOC_CUDA_PROPERTY_EXAMPLES=str(examples(quick=60, thorough=150)))
     env.pop("PYALLOC_CONF", None)
     return env, tmp_path_factory.mktemp("reports")
@@ -62,8 +62,9 @@ HARNESS_FILES = {"test_core.py": (150, 100), "test_pools.py": (50, 40), "test_hi
 
 @pytest.fixture(scope="module", params=sorted(HARNESS_FILES))
 def cuda_cases(fake_env, request):
-    """(file, {test id: (outcome, message)} of its [cuda] cases); the whole file runs (-k cannot
-    pick the cases: it also matches the sim_only attribute's name)."""
+    """(file, {test id: (outcome, message)} of its [cuda] cases); the child runs only those
+    (PYALLOC_TEST_BACKENDS=cuda: -k cannot pick them, it also matches the sim_only attribute's
+    name)."""
     results = run_child(fake_env, request.param.removesuffix(".py"), request.param)
     return request.param, {name: r for name, r in results.items() if "[cuda" in name}
 
