@@ -37,3 +37,19 @@ def fake_libcuda(tmp_path_factory):
     if lib is None:
         pytest.skip("no C compiler to build the fake libcuda")
     return lib
+
+
+# The host allocator tests' device and allocator (test_host.py, test_host_capture.py; files that
+# need others, such as test_host_history.py and test_host_gpu.py, define their own).
+
+@pytest.fixture
+def dev():
+    """A simulated device with the reuse sanitizer on."""
+    return pyalloc.SimDevice(check_reuse=True)
+
+
+@pytest.fixture
+def host(dev):
+    """A pinned host allocator over `dev`, with the default settings."""
+    from pyalloc.host import HostAllocator
+    return HostAllocator(dev, config="")

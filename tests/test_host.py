@@ -13,16 +13,6 @@ from pyalloc.host import HostAllocator
 from units import KiB, MiB
 
 
-@pytest.fixture
-def dev():
-    return pyalloc.SimDevice(check_reuse=True)
-
-
-@pytest.fixture
-def host(dev):
-    return HostAllocator(dev, config="")
-
-
 def blocks_in(h, state):
     return [b for b in h.block_list() if b[2] == state]
 

@@ -12,18 +12,6 @@ record_event tied to a capturing stream, or that is freed while such a stream ca
 """
 import pytest
 
-import pyalloc
-from pyalloc.host import HostAllocator
-
-
-@pytest.fixture
-def dev():
-    return pyalloc.SimDevice(check_reuse=True)
-
-
-@pytest.fixture
-def host(dev):
-    return HostAllocator(dev, config="")
 
 
 def captured_copy_freed(dev, host, s):
