@@ -13,7 +13,6 @@ record_event tied to a capturing stream, or that is freed while such a stream ca
 import pytest
 
 
-
 def captured_copy_freed(dev, host, s):
     """A 4 KiB block handed out on capturing stream `s`, copied in the capture, tied to `s` by
     record_event and freed there; the capture is ended. Returns the block's address."""
