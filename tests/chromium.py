@@ -52,9 +52,12 @@ class Page:
         elif method == "Network.requestWillBeSent":
             self.requests.append(params.get("request", {}).get("url"))
 
-    def load(self, url, timeout=60, wait_rendered=True):
+    def load(self, url, timeout=60, wait_rendered=True, settle=0.0):
         """Navigate, wait for the load event and, with `wait_rendered`, for the page's script to
-        mark the body data-rendered="1" (or to throw)."""
+        mark the body data-rendered="1" (or to throw); then go on recording events for `settle`
+        seconds, for the tests that look for late console messages or requests (the rest would
+        wait for nothing: the renderer's events up to data-rendered come before the reply that
+        reads it)."""
         self.console.clear(), self.exceptions.clear(), self.log.clear(), self.requests.clear()
         since = len(self.browser._events)      # the load event may come before navigate's reply
         self.send("Page.navigate", url=url)
@@ -66,7 +69,7 @@ class Page:
             if self.exceptions:
                 break
             time.sleep(0.05)
-        self.browser.drain(0.2)
+        self.browser.drain(settle)
         return self
 
     def evaluate(self, expression):

@@ -9,6 +9,30 @@ import pyalloc
 from pyalloc import defaults
 
 
+# Files whose tests run on one pytest-xdist worker: their module fixtures (for test_view.py a
+# Chromium and a million-event page, 6 s to build) are then built once per run, not once per worker.
+ONE_WORKER_FILES = {"test_view.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's hook: under -n, the tests of ONE_WORKER_FILES go to one worker as a single
+    unit; every other test is scheduled on its own, as -n's default ("load") does. (xdist's own
+    xdist_group marks do not group under pytest 9, whose node ids cannot be renamed.) An explicit
+    --dist is left as given."""
+    explicit = any(arg == "-d" or arg.startswith("--dist") for arg in config.invocation_params.args)
+    if config.getoption("dist") != "load" or explicit:
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return path if path.rsplit("/", 1)[-1] in ONE_WORKER_FILES else nodeid
+
+    return OneWorkerFiles(config, log)
+
+
 @pytest.fixture(autouse=True)
 def report_width_default(monkeypatch):
     """Every test sees the command line's default report width (100 columns) unless it sets

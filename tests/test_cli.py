@@ -74,7 +74,7 @@ def synthetic_snapshot(seed=0, steps=600, conf=""):
 
 
 def write_snapshot(path, snapshot):
-    with gzip.open(path, "wb") as f:
+    with gzip.open(path, "wb", compresslevel=1) as f:     # level 9 costs seconds per suite run
         pickle.dump(snapshot, f)
     return str(path)
 

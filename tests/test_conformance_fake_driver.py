@@ -8,7 +8,7 @@ cuda-bindings loads in place of the real one).
 The fake keeps no memory behind its addresses and does not order streams by events, so this is
 no substitute for the GPU run (tools/gpu-round.sh): it keeps the CUDA backend's code paths, the
 suite's GPU adapter (tests/backends.py) and their agreement with SimDevice's results under test
-everywhere. Each part runs once, in a child pytest with the fake first on LD_LIBRARY_PATH; the
+everywhere. Every part runs in one child pytest with the fake first on LD_LIBRARY_PATH; the
 tests below read its JUnit report.
 """
 import subprocess
@@ -37,7 +37,8 @@ def fake_env(fake_libcuda, tmp_path_factory):
 
 
 def run_child(fake_env, name, *args):
-    """Run pytest on `args` in a child with the fake driver; {test id: (outcome, message)}."""
+    """Run pytest on `args` in a child with the fake driver; {(file, test id): (outcome,
+    message)}, the file without its ".py"."""
     env, reports = fake_env
     report = reports / f"{name}.xml"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -48,7 +49,9 @@ def run_child(fake_env, name, *args):
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         skipped = case.find("skipped")
         outcome = "skipped" if skipped is not None else "passed"
-        results[case.get("name")] = (outcome, "" if skipped is None else skipped.get("message", ""))
+        # classname: "tests.test_core", or "tests.test_properties.TestCudaAllocatorMachine"
+        file = next(part for part in case.get("classname").split(".") if part.startswith("test_"))
+        results[file, case.get("name")] = (outcome, "" if skipped is None else skipped.get("message", ""))
     return results
 
 
@@ -60,13 +63,22 @@ HARNESS_FILES = {"test_core.py": (150, 100), "test_pools.py": (50, 40), "test_hi
                  "test_expandable.py": (15, 8)}
 
 
-@pytest.fixture(scope="module", params=sorted(HARNESS_FILES))
-def cuda_cases(fake_env, request):
-    """(file, {test id: (outcome, message)} of its [cuda] cases); the child runs only those
-    (PYALLOC_TEST_BACKENDS=cuda: -k cannot pick them, it also matches the sim_only attribute's
-    name)."""
-    results = run_child(fake_env, request.param.removesuffix(".py"), request.param)
-    return request.param, {name: r for name, r in results.items() if "[cuda" in name}
+@pytest.fixture(scope="module")
+def harness_results(fake_env):
+    """{(file, test id): (outcome, message)} of one child run over every harness file and the
+    property machine's CUDA variant (PYALLOC_TEST_BACKENDS=cuda: the child runs only the [cuda]
+    cases; -k cannot pick them, it also matches the sim_only attribute's name). One child, not
+    one per file: each child's start and collection cost 1.5-3 s of the suite's time."""
+    return run_child(fake_env, "harness", *sorted(HARNESS_FILES),
+                     "test_properties.py::TestCudaAllocatorMachine")
+
+
+@pytest.fixture(params=sorted(HARNESS_FILES))
+def cuda_cases(harness_results, request):
+    """(file, {test id: (outcome, message)} of its [cuda] cases)."""
+    stem = request.param.removesuffix(".py")
+    return request.param, {name: r for (file, name), r in harness_results.items()
+                           if file == stem and "[cuda" in name}
 
 
 def test_every_specification_runs_on_the_cuda_backend(cuda_cases):
@@ -83,6 +95,6 @@ def test_only_the_simulator_only_cases_are_skipped(cuda_cases):
     assert other == {}
 
 
-def test_the_property_machine_runs_on_the_cuda_backend(fake_env):
-    results = run_child(fake_env, "properties", "test_properties.py", "-k", "Cuda")
-    assert results == {"runTest": ("passed", "")}
+def test_the_property_machine_runs_on_the_cuda_backend(harness_results):
+    machine = {name: r for (file, name), r in harness_results.items() if file == "test_properties"}
+    assert machine == {"runTest": ("passed", "")}

@@ -392,15 +392,21 @@ def test_page_escapes_tag_markup(tagged):
 
 # -- the harness itself can see what the page tests look for ----------------------------------------
 
+# How long the tests that look for the absence of errors and requests go on watching a page after
+# it rendered (seconds), so that a late message or request is seen.
+WATCH = 0.2
+
 @needs_browser
 def test_harness_sees_console_errors(tab):
-    tab.load("data:text/html,<p>x</p><script>console.error('boom')</script>", wait_rendered=False)
+    tab.load("data:text/html,<p>x</p><script>console.error('boom')</script>", wait_rendered=False,
+             settle=WATCH)
     assert ("error", "boom") in tab.console
 
 
 @needs_browser
 def test_harness_sees_network_requests(tab):
-    tab.load("data:text/html,<img src='http://example.com/x.png'>", wait_rendered=False)
+    tab.load("data:text/html,<img src='http://example.com/x.png'>", wait_rendered=False,
+             settle=WATCH)
     assert "http://example.com/x.png" in tab.requests
 
 
@@ -418,7 +424,7 @@ def any_page(request, example_page, tagged, wrapped, unreplayable_page, tune_pag
 @needs_browser
 @pytest.mark.parametrize("any_page", PAGES, indirect=True)
 def test_page_loads_without_console_errors(tab, any_page):
-    tab.load(url(any_page))
+    tab.load(url(any_page), settle=WATCH)
     assert tab.evaluate("document.body.getAttribute('data-rendered')") == "1"
     assert tab.exceptions == []
     assert [c for c in tab.console if c[0] in ("error", "warning", "assert")] == []
@@ -428,7 +434,7 @@ def test_page_loads_without_console_errors(tab, any_page):
 @needs_browser
 @pytest.mark.parametrize("any_page", PAGES, indirect=True)
 def test_page_makes_no_network_request(tab, any_page):
-    tab.load(url(any_page))
+    tab.load(url(any_page), settle=WATCH)
     assert tab.requests == [url(any_page)]
 
 
