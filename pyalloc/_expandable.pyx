@@ -413,30 +413,41 @@ cdef int put_back(CoreState* st, Backend backend, vector[Taken]* taken) except -
     return 0
 
 
-cdef int release_emptied(CoreState* st, Backend backend, vector[Taken]* taken) except -1:
-    """Give back the address space of the segments that recycle_for_growth left with nothing
-    mapped (it keeps them until the growth is done, so that put_back can still map there)."""
-    cdef Block key
-    cdef UnmappedSet.iterator it
+cdef void queue_emptied(CoreState* st, vector[Taken]* taken) noexcept:
+    """Queue the segments that recycle_for_growth left with nothing mapped on
+    st.emptied_segments (their address space is released later: see release_emptied_segments)."""
     cdef ExpandableSegment* seg
-    cdef Block* b
     cdef size_t i, j
     cdef bint seen
     for i in range(taken.size()):
         seg = taken[0][i].seg
         seen = False
-        for j in range(i):
-            seen = seen or taken[0][j].seg == seg
-        if seen or seg.mapped != 0:
-            continue
-        key.stream = seg.stream
-        key.ptr = seg.base
-        it = seg.pool.unmapped.find(&key)
-        if it != seg.pool.unmapped.end():
-            b = deref(it)
-            if b.prev == NULL and b.next == NULL:
-                release_reservation(st, backend, b)
+        for j in range(st.emptied_segments.size()):
+            seen = seen or st.emptied_segments[j] == seg
+        if not seen and seg.mapped == 0:
+            st.emptied_segments.push_back(seg)
     taken.clear()
+
+
+cdef int release_emptied_segments(CoreState* st, Backend backend) except -1:
+    """Give back the address space of the queued segments that still have nothing mapped (a
+    growth during a capture may have mapped there since), one at a time: each is off the queue
+    once released, whatever fails after it."""
+    cdef Block key
+    cdef UnmappedSet.iterator it
+    cdef ExpandableSegment* seg
+    cdef Block* b
+    while not st.emptied_segments.empty():
+        seg = st.emptied_segments.back()
+        if seg.mapped == 0:
+            key.stream = seg.stream
+            key.ptr = seg.base
+            it = seg.pool.unmapped.find(&key)
+            if it != seg.pool.unmapped.end():
+                b = deref(it)
+                if b.prev == NULL and b.next == NULL:
+                    release_reservation(st, backend, b)
+        st.emptied_segments.pop_back()
     return 0
 
 
@@ -552,13 +563,15 @@ cdef int try_allocate_expandable_block(CoreState* st, Backend backend, BlockPool
         return grow(st, backend, pool, stream, size, out)
     cdef vector[Taken] taken
     cdef int rc
+    # Before anything changes: a failure here leaves the allocator as it was.
+    release_emptied_segments(st, backend)
     try:
         recycle_for_growth(st, backend, pool, stream, size, &taken)
         rc = grow(st, backend, pool, stream, size, out)
     except BaseException:
         put_back(st, backend, &taken)
         raise
-    release_emptied(st, backend, &taken)
+    queue_emptied(st, &taken)
     return rc
 
 
@@ -652,9 +665,10 @@ cdef int unmap_range(CoreState* st, Backend backend, Block* b, uintptr_t first, 
 
 
 cdef int release_page_pool(CoreState* st, Backend backend) except -1:
-    """Give the page pool's physical pages back to the device (recycle_pages; the first step of
-    the full flush)."""
+    """Give the page pool's physical pages back to the device, and the emptied segments' address
+    space (recycle_pages; the first step of the full flush)."""
     cdef size_t k
+    release_emptied_segments(st, backend)
     for k in range(2):
         # A page a call at a time: each page the device took back is off the pool, whatever
         # fails after it.
@@ -675,8 +689,8 @@ cdef int release_reservation(CoreState* st, Backend backend, Block* b) except -1
     """Release the address space of an expandable segment that is one unmapped block `b`."""
     cdef ExpandableSegment* seg = b.segment
     cdef BlockPool* pool = b.pool
+    backend.vm_release(seg.base, seg.size)     # first: if it fails, nothing has changed
     pool.unmapped.erase(b)
-    backend.vm_release(seg.base, seg.size)
     for i in range(st.expandable_segments.size()):
         if st.expandable_segments[i] == seg:
             st.expandable_segments[i] = st.expandable_segments.back()
@@ -704,3 +718,4 @@ cdef void free_segment_structs(CoreState* st) noexcept:
     for i in range(st.expandable_segments.size()):
         free_segment_struct(st.expandable_segments[i])
     st.expandable_segments.clear()
+    st.emptied_segments.clear()

@@ -259,6 +259,9 @@ cdef int check_invariants(DeviceState* a) except -1:
     counted = dict(a.segments_by_stream)
     assert counted == segments_by_stream, (
         f"segments by stream: counted {counted}, recount gives {segments_by_stream}")
+    live_segments = {<uintptr_t>seg for seg in a.st.expandable_segments}
+    for seg in a.st.emptied_segments:
+        assert <uintptr_t>seg in live_segments, f"emptied segment {seg.base:#x} is not a live segment"
     # Every pool's set must be in best-fit order with current keys (no stale entries), and every
     # private pool must know the bytes its segments hold.
     check_pool_order(a.small_blocks)

@@ -730,6 +730,11 @@ struct CoreState {
     // and the pages mapped again from them since construction.
     std::vector<uintptr_t> free_pages[2];
     int64_t page_remaps = 0;
+    // recycle_pages: segments a growth left with nothing mapped. Their address space is given
+    // back by the next growth (before it changes anything) or the page pool's release, not by the
+    // growth that emptied them: a failing cuMemAddressFree after the growth succeeded could then
+    // neither be undone nor reported without changing what the malloc did.
+    std::vector<ExpandableSegment*> emptied_segments;
     // recycle_pages: when a free block's pages may be unmapped without synchronizing the device
     // (Block::free_epoch). Blocks stamped below synced_epoch: the device was synchronized since;
     // below completed_epoch[their stream]: an EpochMark recorded on it after them has completed.

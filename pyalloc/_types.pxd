@@ -256,6 +256,7 @@ cdef extern from "_types.h" namespace "pyalloc" nogil:
         vector[ExpandableSegment*] expandable_segments
         vector[uintptr_t] free_pages[2]
         int64_t page_remaps
+        vector[ExpandableSegment*] emptied_segments
         uint64_t free_epoch
         uint64_t synced_epoch
         vector[EpochMark] epoch_marks

@@ -441,6 +441,54 @@ def test_out_of_memory_after_pool_pages_were_mapped_keeps_reserved_physical():
     assert a.memory_reserved() == sim.used_memory
 
 
+def emptied_small_segment():
+    """A small-pool segment whose one page a 3 MiB growth then takes, leaving the segment with
+    nothing mapped: (allocator, sim)."""
+    a, sim = make()
+    a.free(a.malloc(4096))                 # a 2 MiB small-pool page, free
+    a.malloc(3 * MiB)                      # takes it, and creates one more
+    return a, sim
+
+
+def test_a_growth_that_empties_a_segment_keeps_its_address_space_until_the_next_growth():
+    # Releasing it within the growth could fail after the growth succeeded, when the malloc can
+    # neither be undone nor fail without having changed the allocator (a property machine's find).
+    a, sim = emptied_small_segment()
+    assert (sim.counters["vm_reserve"], sim.counters["vm_release"]) == (2, 0)
+    a.malloc(40 * MiB)
+    assert sim.counters["vm_release"] == 1
+    a._check_invariants()
+
+
+def test_a_failing_address_release_does_not_fail_the_growth_that_emptied_the_segment():
+    a, sim = make()
+    a.free(a.malloc(4096))
+    sim.fail_next("vm_release")
+    p = a.malloc(3 * MiB)
+    a._check_invariants()
+    assert sim.counters["injected_failures"] == 0 and p in {b["address"] for seg in a._segments()
+                                                           for b in seg["blocks"] if b["allocated"]}
+
+
+def test_a_failing_address_release_fails_the_next_growth_before_it_changes_anything():
+    a, sim = emptied_small_segment()
+    before = state(a, sim)
+    sim.fail_next("vm_release")
+    with pytest.raises(CudaError):
+        a.malloc(40 * MiB)
+    a._check_invariants()
+    assert state(a, sim) == before
+    a.malloc(40 * MiB)                     # the release is tried again, and done
+    assert sim.counters["vm_release"] == 2  # the failed call and the retry
+
+
+def test_empty_cache_releases_an_emptied_segments_address_space():
+    a, sim = emptied_small_segment()
+    a.empty_cache()
+    assert sim.counters["vm_release"] == 1
+    a._check_invariants()
+
+
 # ------------------------------------------------------------------------------ the device model
 
 def device_with_pages(mapped=1, kept=1):
