@@ -397,9 +397,12 @@ def test_segments_read_while_the_collector_frees_a_buffer_tile_and_the_free_happ
     """The Buffer is freed at each collection the call makes in turn: every result tiles its
     segments and is the state either before or after the free, and the block is freed."""
     calls = segments_while_collecting(0)[4]
-    # CPython 3.11 collects at every allocation of a tracked object (several times in the call);
-    # 3.12+ defers collections to the eval loop's checks, which the C code meets once.
-    assert calls >= (3 if sys.version_info < (3, 12) else 1)
+    # CPython 3.11 collects at allocations of tracked objects (three times in the call when run
+    # alone), but an object taken from a free list (dicts, lists, tuples) does not count towards
+    # the threshold, and what the free lists hold depends on the process's other threads (xdist's
+    # I/O thread): a full-suite run once saw one collection. 3.12+ defers collections to the eval
+    # loop's checks, which the C code meets once. So at least one, and each of them is tried.
+    assert calls >= 1
     for nth in range(1, calls + 1):
         segments, states, sim, a, _ = segments_while_collecting(nth)
         assert tiles(segments, sim), nth
